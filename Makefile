@@ -1,0 +1,32 @@
+# Two entry points (see README): `make demo` and `make test`. Both install into .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel on local disk; on a GPU cluster set TORCH_SPEC to the CUDA build you use.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-unit services-start services-stop
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: install
+	$(PY) jobs/quickstart.py
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: install
+	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
+
+services-start: install
+	$(PY) -m dspark.services start
+
+services-stop:
+	$(PY) -m dspark.services stop

@@ -1,0 +1,8 @@
+"""Puts the in-repo library on sys.path, so jobs run from a plain checkout (e.g. a Ray job's
+working_dir) as well as from an installed package."""
+import sys
+from pathlib import Path
+
+_lib = str(Path(__file__).resolve().parents[1] / "platform")
+if _lib not in sys.path:
+    sys.path.insert(0, _lib)

@@ -1,0 +1,109 @@
+"""The main job on embedded defaults: start the local object store, then run the pipeline on the
+built-in target and corpora, tracking everything in the local SQLite MLflow store.
+
+    python jobs/quickstart.py                      # everything, services stopped at the end
+    python jobs/quickstart.py --keep-services      # leave the object store running
+    python jobs/quickstart.py --set eval.prompts_per_domain=8
+
+Stages: target (load the reference target, held-out quality, greedy samples).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import _bootstrap  # noqa: F401
+
+from dspark.config import Config, add_config_args, config_from_args, run_main
+
+
+def stage_target(cfg: Config, storage, tracker) -> dict:
+    """Load the reference target and measure what the card claims, on held-out text."""
+    from dspark import target as targets
+    from dspark.corpus.examples import split_examples
+    from dspark.corpus.sources import DOMAINS, Corpus
+    from dspark.target import quality
+
+    t0 = time.perf_counter()
+    tgt = targets.load_from_config(cfg.target)
+    card = targets.card(tgt.path)
+    n_params = sum(p.numel() for p in tgt.model.parameters())
+    print(f"[target] {tgt.path}: {type(tgt.model).__name__}, {n_params / 1e6:.2f} M parameters, "
+          f"{tgt.config.num_hidden_layers} layers, vocab {tgt.config.vocab_size} (loaded in {time.perf_counter() - t0:.1f}s)")
+    corpus = Corpus.load(cfg.corpus)
+    report = {"target": tgt.path, "parameters": n_params, "heldout": {}}
+    for domain in DOMAINS:
+        exs = split_examples(corpus, domain, "heldout", cfg.corpus)[: cfg.eval.prompts_per_domain]
+        seqs = quality.example_ids(tgt.tokenizer, exs, tgt.config.max_position_embeddings)
+        q = quality.lm_quality(tgt.model, seqs, tgt.tokenizer.pad_token_id)
+        base = card.get("heldout", {}).get(domain, {})
+        report["heldout"][domain] = {**q, "examples": len(exs), "unigram_ppl": base.get("unigram_ppl"),
+                                     "unigram_top1": base.get("unigram_top1")}
+        print(f"[target] held-out {domain:5s}: perplexity {q['ppl']:7.1f}  top-1 {q['top1']:6.1%}  "
+              f"({q['tokens']:,} tokens of {len(exs)} examples; unigram baseline: perplexity "
+              f"{base.get('unigram_ppl', float('nan')):.1f}, top-1 {base.get('unigram_top1', float('nan')):.1%})")
+        tracker.metrics({f"target.{domain}.ppl": q["ppl"], f"target.{domain}.top1": q["top1"]}, 0)
+    prompts = [ex.prompt for d in DOMAINS for ex in split_examples(corpus, d, "heldout", cfg.corpus)[:2]]
+    report["greedy"] = []
+    for prompt, text in zip(prompts, quality.greedy_continuations(tgt.model, tgt.tokenizer, prompts, 48)):
+        report["greedy"].append({"prompt": prompt, "continuation": text})
+        print(f"[target] --- prompt ---\n{prompt.rstrip()}\n[target] --- greedy continuation ---\n{text.rstrip()}\n")
+    return report
+
+
+STAGES = {"target": stage_target}
+
+
+def main(argv=None):
+    parser = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {list(STAGES)}")
+    parser.add_argument("--keep-services", action="store_true", help="leave the local services running")
+    parser.add_argument("--local-storage", action="store_true", help="use a local folder instead of the object store")
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    for s in stages:
+        if s not in STAGES:
+            from dspark.errors import UserError
+
+            raise UserError(f"--stages: unknown stage '{s}' (valid: {', '.join(STAGES)})")
+
+    from dspark import services, tracking
+    from dspark.storage import Storage
+
+    started = []
+    t_all = time.perf_counter()
+    try:
+        if not args.local_storage and not Storage.is_remote(cfg.storage.root):
+            store = services.ObjectStore()
+            st = store.start()
+            started.append(store)
+            os.environ.update(st.env)
+            cfg.storage.root = f"s3://{services.BUCKET}/quickstart"
+            print(f"[services] object store {st.version} on {st.env['AWS_ENDPOINT_URL']} ready in {st.ready_s:.1f}s")
+        storage = Storage.from_config(cfg.storage)
+        storage.check(cfg.storage.root)
+        report = {"stages": {}}
+        with tracking.run(cfg, "quickstart") as tracker:
+            tracker.params(cfg.flat())
+            for name in stages:
+                t0 = time.perf_counter()
+                report["stages"][name] = STAGES[name](cfg, storage, tracker)
+                report["stages"][name]["seconds"] = time.perf_counter() - t0
+            fs, path = storage.pyarrow_fs(Storage.join(cfg.storage.root, "report.json"))
+            fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+            with fs.open_output_stream(path) as f:
+                f.write(json.dumps(report, indent=2).encode())
+            print(f"[quickstart] report written to {Storage.join(cfg.storage.root, 'report.json')}; "
+                  f"MLflow run {tracker.run_id} in {cfg.mlflow.tracking_uri}")
+        print(f"[quickstart] done in {time.perf_counter() - t_all:.0f}s")
+    finally:
+        if not args.keep_services:
+            for svc in started:
+                svc.stop()
+
+
+if __name__ == "__main__":
+    run_main(main)

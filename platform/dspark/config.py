@@ -1,0 +1,261 @@
+"""Typed configuration shared by every job.
+
+One root `Config` with a section per concern. Sources, in order of precedence:
+    defaults  <  YAML file (`--config FILE`)  <  dotted overrides (`--set train.lr=3e-4`).
+Unknown keys and values of the wrong type are errors that name the dotted key.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dspark.errors import UserError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LOCAL_DIR = REPO_ROOT / ".local"  # project-local, git-ignored state of the embedded defaults
+
+
+class ConfigError(UserError):
+    """A configuration problem; the message names the offending key or file."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class StorageConfig(Section):
+    """Where jobs read and write: a local path, file://, or s3://bucket/prefix."""
+
+    root: str = str(LOCAL_DIR / "store")
+    endpoint_url: Optional[str] = None  # S3-compatible endpoint; falls back to AWS_ENDPOINT_URL
+    region: Optional[str] = None  # falls back to AWS_REGION, then us-east-1
+    retry_attempts: int = Field(10, ge=1)  # rides out an outage of roughly a minute
+
+
+class TargetConfig(Section):
+    """The target model: the built-in reference, a local HF folder, or a hub id."""
+
+    name_or_path: str = "builtin"
+    device: str = "cpu"  # "cuda", "cuda:1", ...
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    attn_implementation: Optional[str] = None  # "sdpa", "eager", "flash_attention_2"; None = library default
+    threads: int = Field(0, ge=0)  # torch intra-op threads on CPU; 0 = leave torch's default
+
+
+class CorpusConfig(Section):
+    """Built-in corpora: real text found on every machine of this kind."""
+
+    code_roots: list[str] = Field(default_factory=lambda: ["stdlib"])  # "stdlib" = this interpreter's
+    prose_roots: list[str] = Field(default_factory=lambda: ["/usr/share/info"])  # GNU info manuals
+    validation_pct: int = Field(5, ge=1, le=40)
+    heldout_pct: int = Field(5, ge=1, le=40)
+    max_response_lines: int = Field(40, ge=1)  # code: body lines kept as the response
+    max_response_chars: int = Field(1500, ge=64)
+
+
+class TargetTrainConfig(Section):
+    """Recipe of the small built-in target (jobs/train_target.py)."""
+
+    out_dir: str = str(LOCAL_DIR / "target")
+    vocab_size: int = Field(4096, ge=300)
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_layers: int = 6
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 2048
+    seq_len: int = 512
+    batch_size: int = 16
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(200, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    minutes: float = Field(60.0, gt=0)  # wall-clock budget; the cosine schedule spans it
+    max_steps: int = Field(0, ge=0)  # 0 = run until the time budget is spent
+    threads: int = Field(2, ge=1)
+    checkpoint_every_s: float = Field(300.0, gt=0)
+    seed: int = 42
+    eval_examples: int = Field(400, ge=1)  # held-out examples per domain for the final report
+
+
+class CacheConfig(Section):
+    """Target cache (Parquet shards + manifest) built from the target's own responses."""
+
+    uri: str = ""  # "" = <storage.root>/caches/<name>
+    name: str = "builtin"
+    layers: list[int] = Field(default_factory=list)  # [] = evenly spread over depth
+    num_layers: int = Field(3, ge=1)  # how many layers when `layers` is empty
+    codec: Literal["bf16", "fp8"] = "bf16"
+    shard_rows: int = Field(256, ge=1)
+    max_examples: int = Field(0, ge=0)  # 0 = all train examples
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int = 0
+    batch_size: int = Field(16, ge=1)
+    num_actors: int = Field(1, ge=1)
+    num_gpus_per_actor: float = Field(0.0, ge=0)
+    skip_bad_shards: bool = False
+
+
+class TrainConfig(Section):
+    """Drafter training (jobs/train_dspark.py)."""
+
+    drafter: Literal["dspark", "dflash", "eagle3"] = "dspark"
+    markov: Literal["vanilla", "gated", "rnn"] = "vanilla"
+    num_layers: int = Field(2, ge=1)
+    gamma: int = Field(7, ge=1)
+    markov_rank: int = Field(256, ge=1)
+    anchors_per_seq: int = Field(32, ge=1)
+    lr: float = Field(6e-4, gt=0)
+    warmup_frac: float = Field(0.04, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    epochs: int = Field(1, ge=1)
+    global_batch: int = Field(16, ge=1)  # sequences per optimizer step
+    micro_batch: int = Field(4, ge=1)
+    num_workers: int = Field(1, ge=1)
+    cpus_per_worker: float = Field(0.5, gt=0)
+    zero_stage: int = Field(2, ge=0, le=3)
+    seed: int = 42
+    out_uri: str = ""  # "" = <storage.root>/drafters/<run name>
+
+
+class EvalConfig(Section):
+    """Offline evaluation (jobs/evaluate.py)."""
+
+    gamma: int = Field(7, ge=1)
+    temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0])
+    max_new_tokens: int = Field(96, ge=1)
+    prompts_per_domain: int = Field(32, ge=1)
+    seed: int = 0
+    out_dir: str = str(REPO_ROOT / "results")
+
+
+class ServeConfig(Section):
+    """Ray Serve application (serving/)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    max_batch: int = Field(16, ge=1)
+    max_queue: int = Field(64, ge=1)
+    policy: Literal["none", "static", "threshold", "greedy", "async"] = "greedy"
+    static_len: int = Field(4, ge=0)
+    api_key: Optional[str] = None
+
+
+class MLflowConfig(Section):
+    tracking_uri: str = f"sqlite:///{LOCAL_DIR / 'mlflow' / 'mlflow.db'}"
+    experiment: str = "dspark"
+    artifact_location: Optional[str] = None  # None = <LOCAL_DIR>/mlflow/artifacts
+    enabled: bool = True
+
+
+class RayConfig(Section):
+    address: Optional[str] = None  # None = start a local Ray; "auto" or "ray://host:port" = a cluster
+    num_cpus: Optional[int] = None
+
+
+class Config(Section):
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    corpus: CorpusConfig = Field(default_factory=CorpusConfig)
+    target_train: TargetTrainConfig = Field(default_factory=TargetTrainConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted key -> value, e.g. for MLflow params."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, node: Any) -> None:
+            if isinstance(node, dict):
+                for k, v in node.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = node
+
+        walk("", self.model_dump())
+        return out
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{key}: '{p}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _describe(err: ValidationError) -> str:
+    """One line per problem, each naming its dotted key; unknown keys list the valid ones."""
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            section: Any = Config
+            for p in e["loc"][:-1]:
+                section = section.model_fields[str(p)].annotation
+            valid = ", ".join(section.model_fields)
+            lines.append(f"{key}: unknown key (valid here: {valid})")
+        else:
+            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+    return "; ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p}: top level must be a mapping of sections")
+        tree = loaded or {}
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override '{item}' must look like section.key=value")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_describe(e)) from None
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--config", help="YAML file with config sections")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="dotted override, e.g. --set train.lr=3e-4 (repeatable)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    return load_config(args.config, args.overrides)
+
+
+def run_main(main, argv: list[str] | None = None) -> None:
+    """Run a job's main(); user errors become one line on stderr and a non-zero exit."""
+    try:
+        main(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

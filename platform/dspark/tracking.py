@@ -1,0 +1,100 @@
+"""MLflow tracking shared by the jobs: SQLite backend by default, batched metric logging."""
+from __future__ import annotations
+
+import os
+import platform
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from dspark.config import LOCAL_DIR, Config
+from dspark.errors import UserError
+
+
+def _prepare(cfg: Config):
+    os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+    import mlflow
+
+    uri = cfg.mlflow.tracking_uri
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(uri)
+    artifacts = cfg.mlflow.artifact_location or (LOCAL_DIR / "mlflow" / "artifacts").as_uri()
+    try:
+        exp = mlflow.get_experiment_by_name(cfg.mlflow.experiment)
+        exp_id = exp.experiment_id if exp else mlflow.create_experiment(cfg.mlflow.experiment, artifact_location=artifacts)
+    except Exception as e:
+        raise UserError(f"mlflow tracking store {uri} is not usable: {str(e).splitlines()[0]}") from None
+    return mlflow, exp_id
+
+
+def system_info() -> dict[str, str]:
+    import torch
+
+    info = {
+        "sys.python": platform.python_version(),
+        "sys.torch": torch.__version__,
+        "sys.cpu_count": str(os.cpu_count()),
+        "sys.torch_threads": str(torch.get_num_threads()),
+        "sys.cuda": str(torch.cuda.is_available()),
+    }
+    if torch.cuda.is_available():
+        info["sys.gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+class Tracker:
+    """Buffers metrics and flushes them with one `log_metrics` call (one SQLite write per call)."""
+
+    def __init__(self, mlflow=None, flush_every_s: float = 10.0):
+        self.mlflow = mlflow
+        self.flush_every_s = flush_every_s
+        self._buf: list = []
+        self._last = time.monotonic()
+
+    @property
+    def run_id(self) -> str | None:
+        run = self.mlflow.active_run() if self.mlflow else None
+        return run.info.run_id if run else None
+
+    def metrics(self, values: dict[str, float], step: int) -> None:
+        if not self.mlflow:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._buf += [Metric(k, float(v), now, step) for k, v in values.items()]
+        if time.monotonic() - self._last > self.flush_every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.mlflow and self._buf:
+            self.mlflow.MlflowClient().log_batch(self.run_id, metrics=self._buf)
+        self._buf = []
+        self._last = time.monotonic()
+
+    def params(self, values: dict) -> None:
+        if self.mlflow:
+            self.mlflow.log_params({k: str(v)[:500] for k, v in values.items()})
+
+    def artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        if self.mlflow:
+            p = Path(path)
+            (self.mlflow.log_artifacts if p.is_dir() else self.mlflow.log_artifact)(str(p), artifact_path)
+
+
+@contextmanager
+def run(cfg: Config, run_name: str, run_id: str | None = None, tags: dict | None = None) -> Iterator[Tracker]:
+    """An MLflow run (resumed when run_id is given), or a no-op tracker when MLflow is disabled."""
+    if not cfg.mlflow.enabled:
+        yield Tracker(None)
+        return
+    mlflow, exp_id = _prepare(cfg)
+    with mlflow.start_run(run_id=run_id, experiment_id=None if run_id else exp_id,
+                          run_name=None if run_id else run_name, tags=tags):
+        tracker = Tracker(mlflow)
+        try:
+            yield tracker
+        finally:
+            tracker.flush()

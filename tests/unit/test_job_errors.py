@@ -1,0 +1,39 @@
+"""Bad input to a job: one line on stderr naming the culprit, non-zero exit, no traceback."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_job(script, *args):
+    env = {**os.environ, "AWS_ENDPOINT_URL": "", "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
+    return subprocess.run([sys.executable, str(ROOT / "jobs" / script), *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--set", "target_train.bogus=1"], "target_train.bogus: unknown key"),
+    (["--set", "target_train.lr=fast"], "target_train.lr:"),
+    (["--config", "/nonexistent/cfg.yaml"], "config file not found: /nonexistent/cfg.yaml"),
+])
+def test_train_target_rejects_bad_config(args, named):
+    out = run_job("train_target.py", *args)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"error: {out.stderr.strip()[len('error: '):]}"]
+    assert named in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--local-storage", "--set", "target.name_or_path=/nonexistent/model"], "target not found: /nonexistent/model"),
+    (["--set", "storage.root=s3://dspark/x", "--set", "storage.endpoint_url=http://127.0.0.1:9"],
+     "object store http://127.0.0.1:9 is unreachable"),
+    (["--stages", "target,bogus"], "--stages: unknown stage 'bogus'"),
+])
+def test_quickstart_rejects_bad_input(args, named, tmp_path):
+    out = run_job("quickstart.py", "--set", f"mlflow.tracking_uri=sqlite:///{tmp_path}/m.db", *args)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert named in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]

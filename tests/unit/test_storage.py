@@ -1,0 +1,30 @@
+import pyarrow.fs as pafs
+
+from dspark.config import load_config
+from dspark.storage import Storage
+
+
+def test_uri_forms_resolve(tmp_path):
+    assert Storage.path_of("s3://bucket/a/b/") == "bucket/a/b"
+    assert Storage.path_of(f"file://{tmp_path}/x") == f"{tmp_path}/x"
+    assert Storage.path_of("rel/x").endswith("/rel/x")
+    assert Storage.join("s3://b/p", "c", "d.parquet") == "s3://b/p/c/d.parquet"
+    assert Storage.join(str(tmp_path), "c") == str(tmp_path / "c")
+
+
+def test_settings_come_from_config_then_env(monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    s = Storage.from_config(load_config().storage)
+    assert s.endpoint_url == "http://127.0.0.1:9" and s.region == "eu-west-1"
+    s = Storage.from_config(load_config(overrides=["storage.endpoint_url=http://127.0.0.1:7"]).storage)
+    assert s.endpoint_url == "http://127.0.0.1:7"
+
+
+def test_filesystems_for_each_scheme(tmp_path):
+    s = Storage(endpoint_url="http://127.0.0.1:9", region="us-east-1")
+    fs, path = s.pyarrow_fs("s3://bucket/prefix")
+    assert isinstance(fs, pafs.S3FileSystem) and path == "bucket/prefix"
+    fs, path = s.pyarrow_fs(f"file://{tmp_path}")
+    assert isinstance(fs, pafs.LocalFileSystem) and path == str(tmp_path)
+    s.check(str(tmp_path))  # local paths need no check
