@@ -1,0 +1,152 @@
+"""Reading a target cache: manifest validation, shard checks, a streaming Ray Data dataset, and
+decoding of a batch back to torch tensors for training."""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import torch
+
+from dspark.cache import codec as codecs
+from dspark.cache.format import FORMAT_VERSION, MANIFEST, SCHEMA, Manifest, ShardStats
+from dspark.errors import UserError
+from dspark.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+class CacheError(UserError):
+    """A cache that does not match what was asked for, or a damaged shard (named in the message)."""
+
+
+@dataclass
+class Cache:
+    uri: str
+    storage: Storage
+    manifest: Manifest
+
+    @property
+    def fs_root(self) -> tuple[pafs.FileSystem, str]:
+        return self.storage.pyarrow_fs(self.uri)
+
+    def shard_uri(self, s: ShardStats) -> str:
+        return Storage.join(self.uri, s.file)
+
+
+def open_cache(uri: str, storage: Storage, expect: dict | None = None) -> Cache:
+    """Read and validate manifest.json. `expect` maps manifest fields (e.g. "layers", "hidden_size",
+    "target.weights_sha256") to required values; a mismatch names the field."""
+    fs, root = storage.pyarrow_fs(uri)
+    try:
+        with fs.open_input_stream(f"{root}/{MANIFEST}") as f:
+            manifest = Manifest.from_json(f.read().decode())
+    except FileNotFoundError:
+        raise CacheError(f"no cache at {uri}: {MANIFEST} not found (the build did not finish?)") from None
+    except (ValueError, TypeError, KeyError) as e:
+        raise CacheError(f"{uri}/{MANIFEST} is not a valid manifest: {e}") from None
+    if manifest.format_version != FORMAT_VERSION:
+        raise CacheError(f"{uri}: format_version {manifest.format_version} is not supported (expected {FORMAT_VERSION})")
+    for key, want in (expect or {}).items():
+        have = manifest
+        for part in key.split("."):
+            have = have[part] if isinstance(have, dict) else getattr(have, part)
+        if have != want:
+            raise CacheError(f"cache {uri} does not match: {key} is {have!r}, expected {want!r}")
+    return Cache(uri, storage, manifest)
+
+
+def check_shards(cache: Cache, skip_bad: bool = False, verify_checksums: bool = False) -> list[ShardStats]:
+    """Cheap checks of every shard (exists, size, Parquet footer, schema, row count; sha256 when asked).
+    A bad shard raises a CacheError naming it, or with skip_bad is logged, counted and left out."""
+    fs, root = cache.fs_root
+    good, skipped = [], []
+    for s in cache.manifest.shards:
+        problem = _shard_problem(fs, f"{root}/{s.file}", s, verify_checksums)
+        if problem is None:
+            good.append(s)
+        elif skip_bad:
+            skipped.append(s.file)
+            log.warning("skipping bad shard %s: %s", s.file, problem)
+        else:
+            raise CacheError(f"shard {cache.shard_uri(s)} is damaged: {problem}")
+    if skipped:
+        log.warning("skipped %d bad shard(s) of %d: %s", len(skipped), len(cache.manifest.shards), ", ".join(skipped))
+    if not good:
+        raise CacheError(f"cache {cache.uri} has no readable shards")
+    return good
+
+
+def _shard_problem(fs: pafs.FileSystem, path: str, s: ShardStats, verify_checksums: bool) -> str | None:
+    info = fs.get_file_info(path)
+    if info.type != pafs.FileType.File:
+        return "missing"
+    if info.size != s.bytes:
+        return f"size {info.size} bytes, manifest says {s.bytes} (truncated or replaced)"
+    try:
+        with fs.open_input_file(path) as f:
+            meta = pq.read_metadata(f)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError on a bad footer
+        return f"unreadable Parquet footer ({str(e).splitlines()[0]})"
+    if not meta.schema.to_arrow_schema().equals(SCHEMA):
+        return f"schema differs from the cache format: {meta.schema.to_arrow_schema()}"
+    if meta.num_rows != s.rows:
+        return f"{meta.num_rows} rows, manifest says {s.rows}"
+    if verify_checksums:
+        h = hashlib.sha256()
+        with fs.open_input_stream(path) as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        if h.hexdigest() != s.sha256:
+            return "sha256 differs from the manifest (corrupted)"
+    return None
+
+
+def dataset(cache: Cache, shards: list[ShardStats] | None = None, blocks_per_shard: int = 0):
+    """A streaming Ray Data dataset over the shards (never downloads the whole cache first).
+
+    Smaller blocks deliver the first batch sooner: by default one block per row group."""
+    import ray
+
+    shards = shards if shards is not None else cache.manifest.shards
+    fs, root = cache.fs_root
+    paths = [f"{root}/{s.file}" for s in shards]
+    n_blocks = blocks_per_shard * len(shards) if blocks_per_shard else None
+    return ray.data.read_parquet(paths, filesystem=fs, include_paths=True, override_num_blocks=n_blocks,
+                                 file_extensions=["parquet"])
+
+
+def decode_batch(batch: dict, manifest: Manifest, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A numpy batch of cache rows -> right-padded tensors:
+    input_ids (B, T) long, loss_mask (B, T) bool, valid (B, T) bool,
+    features (B, T, m, d) and last_hidden (B, T, d) in `dtype`."""
+    m, d, codec = len(manifest.layers), manifest.hidden_size, manifest.codec
+    lengths = [int(n) for n in batch["num_tokens"]]
+    B, T = len(lengths), max(lengths)
+    out = {
+        "input_ids": torch.zeros(B, T, dtype=torch.long),
+        "loss_mask": torch.zeros(B, T, dtype=torch.bool),
+        "valid": torch.zeros(B, T, dtype=torch.bool),
+        "features": torch.zeros(B, T, m, d, dtype=dtype),
+        "last_hidden": torch.zeros(B, T, d, dtype=dtype),
+    }
+    for r, n in enumerate(lengths):
+        where = batch["path"][r] if "path" in batch else "?"
+        try:
+            feats = codecs.decode(bytes(batch["features"][r]), codec, d, dtype).reshape(n, m, d)
+            last = codecs.decode(bytes(batch["last_hidden"][r]), codec, d, dtype).reshape(n, d)
+            ids = np.asarray(batch["input_ids"][r], dtype=np.int64)
+            mask = np.asarray(batch["loss_mask"][r], dtype=bool)
+            if len(ids) != n or len(mask) != n:
+                raise ValueError(f"{len(ids)} ids and {len(mask)} mask entries for num_tokens={n}")
+        except (ValueError, RuntimeError) as e:
+            raise CacheError(f"row {batch['seq_id'][r]!r} of shard {where} cannot be decoded: {e}") from None
+        out["input_ids"][r, :n] = torch.from_numpy(ids)
+        out["loss_mask"][r, :n] = torch.from_numpy(mask)
+        out["valid"][r, :n] = True
+        out["features"][r, :n] = feats
+        out["last_hidden"][r, :n] = last
+    return out

@@ -1,0 +1,157 @@
+"""Cache format without Ray: codecs, shards written by the builder's own functions, validation,
+the size estimator, and read-back against a fresh target forward."""
+import logging
+
+import numpy as np
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dspark import target as targets
+from dspark.cache import codec as codecs
+from dspark.cache.build import make_rows, publish_shard, regenerate
+from dspark.cache.format import MANIFEST, Manifest, estimate_bytes
+from dspark.cache.read import CacheError, check_shards, decode_batch, open_cache
+from dspark.config import load_config
+from dspark.corpus.examples import split_examples
+from dspark.corpus.sources import Corpus
+from dspark.corpus.tokenizer import encode_prompt
+from dspark.storage import Storage
+from dspark.target.taps import default_layers, extract, resolve_layers
+
+LAYERS = [1, 2, 3]
+
+
+def test_default_layers_match_the_paper_and_validate():
+    assert default_layers(36, 5) == [1, 9, 17, 25, 33]
+    assert default_layers(6, 3) == [1, 2, 3]
+    with pytest.raises(Exception, match=r"cache.layers: layer ids \[6\] out of range"):
+        resolve_layers(6, [1, 6], 3)
+    with pytest.raises(Exception, match="distinct and increasing"):
+        resolve_layers(6, [3, 1], 3)
+
+
+def test_codecs_roundtrip_and_fp8_error_bound():
+    x = torch.randn(50, 3, 256) * torch.logspace(-3, 2, 50)[:, None, None]
+    bf = codecs.decode(codecs.encode(x, "bf16"), "bf16", 256).reshape(x.shape)
+    assert torch.equal(bf, x.to(torch.bfloat16).float())  # bit-exact bf16
+    f8 = codecs.decode(codecs.encode(x, "fp8"), "fp8", 256).reshape(x.shape)
+    amax = x.abs().amax(-1, keepdim=True)
+    assert ((f8 - x).abs() <= 2 ** -4 * x.abs() + amax * 2 ** -10 / 448 + 1e-12).all()
+    assert len(codecs.encode(x, "fp8")) == 150 * (256 + 4) and len(codecs.encode(x, "bf16")) == 150 * 512
+    with pytest.raises(ValueError, match="not a whole number"):
+        codecs.decode(b"\x00" * 7, "bf16", 256)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Two shards (bf16 and fp8 copies) of real rows from the built-in target."""
+    tgt = targets.load("builtin")
+    cfg = load_config(overrides=["cache.max_new_tokens=24"])
+    exs = split_examples(Corpus.load(cfg.corpus), "code", "heldout", cfg.corpus)[:6]
+    prompts = [e.prompt for e in exs]
+    seqs = regenerate(tgt.model, tgt.tokenizer, prompts, cfg.cache, seed=0)
+    n_prompt = [len(encode_prompt(tgt.tokenizer, p)) for p in prompts]
+    out = {}
+    for codec in ("bf16", "fp8"):
+        root = tmp_path_factory.mktemp(codec)
+        fs = pafs.LocalFileSystem()
+        ids = [e.example_id for e in exs]
+        stats = [publish_shard(fs, str(root), i, make_rows(tgt.model, LAYERS, codec, ids[3 * i:3 * i + 3],
+                                                           ["code"] * 3, seqs[3 * i:3 * i + 3], n_prompt[3 * i:3 * i + 3]))
+                 for i in range(2)]
+        m = Manifest(target={"name": "builtin", "weights_sha256": tgt.weights_sha256}, tokenizer_sha256="",
+                     layers=LAYERS, hidden_size=tgt.config.hidden_size, codec=codec, generation={}, corpus_sha256="",
+                     shards=stats)
+        (root / MANIFEST).write_text(m.to_json())
+        out[codec] = str(root)
+    return tgt, seqs, n_prompt, out
+
+
+def _rows(cache):
+    fs, root = cache.fs_root
+    tables = [pq.read_table(f"{root}/{s.file}", filesystem=fs) for s in cache.manifest.shards]
+    return {k: sum((t.column(k).to_pylist() for t in tables), []) for k in tables[0].column_names}
+
+
+def test_read_back_equals_a_fresh_forward(built):
+    tgt, seqs, n_prompt, roots = built
+    for codec in ("bf16", "fp8"):
+        cache = open_cache(roots[codec], Storage(), expect={"layers": LAYERS, "target.weights_sha256": tgt.weights_sha256})
+        batch = decode_batch(_rows(cache), cache.manifest)
+        for r, ids in enumerate(seqs):
+            feats, last = extract(tgt.model, ids, LAYERS)  # fresh forward, one sequence
+            n = len(ids)
+            assert batch["input_ids"][r, :n].tolist() == ids
+            assert batch["loss_mask"][r, :n].sum() == n - n_prompt[r] and not batch["valid"][r, n:].any()
+            got_f, got_l = batch["features"][r, :n], batch["last_hidden"][r, :n]
+            if codec == "bf16":
+                assert torch.equal(got_f, feats.to(torch.bfloat16).float())
+                assert torch.equal(got_l, last.to(torch.bfloat16).float())
+            else:
+                amax = feats.abs().amax(-1, keepdim=True)
+                assert ((got_f - feats).abs() <= 2 ** -4 * feats.abs() + amax * 2 ** -10 / 448 + 1e-6).all()
+
+
+def test_estimator_within_five_percent(built):
+    _, _, _, roots = built
+    for codec in ("bf16", "fp8"):
+        m = open_cache(roots[codec], Storage()).manifest
+        est = estimate_bytes(m.hidden_size, len(m.layers), m.tokens, codec, rows=m.rows)
+        assert abs(est - m.bytes) / m.bytes < 0.05, (codec, est, m.bytes)
+
+
+def test_manifest_mismatch_names_the_field(built):
+    _, _, _, roots = built
+    with pytest.raises(CacheError, match=r"layers is \[1, 2, 3\], expected \[1, 3, 5\]"):
+        open_cache(roots["bf16"], Storage(), expect={"layers": [1, 3, 5]})
+    with pytest.raises(CacheError, match="target.weights_sha256"):
+        open_cache(roots["bf16"], Storage(), expect={"target.weights_sha256": "0" * 64})
+    with pytest.raises(CacheError, match="manifest.json not found"):
+        open_cache(roots["bf16"] + "/nope", Storage())
+
+
+def test_damaged_shards_are_named_or_skipped_with_a_count(built, tmp_path, caplog):
+    import shutil
+
+    _, _, _, roots = built
+    root = tmp_path / "copy"
+    shutil.copytree(roots["bf16"], root)
+    cache = open_cache(str(root), Storage())
+    assert len(check_shards(cache, verify_checksums=True)) == 2
+    s1 = root / "shard-00001.parquet"
+    data = bytearray(s1.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # corrupt the middle: same size, footer intact
+    s1.write_bytes(bytes(data))
+    check_shards(cache)  # cheap checks cannot see it...
+    with pytest.raises(CacheError, match=r"shard .*shard-00001.parquet is damaged: sha256"):
+        check_shards(cache, verify_checksums=True)  # ...the checksum does
+    s0 = root / "shard-00000.parquet"
+    s0.write_bytes(s0.read_bytes()[:-100])  # truncated
+    with pytest.raises(CacheError, match=r"shard-00000.parquet is damaged: size"):
+        check_shards(cache)
+    with caplog.at_level(logging.WARNING):
+        good = check_shards(cache, skip_bad=True)
+    assert [s.file for s in good] == ["shard-00001.parquet"]
+    assert "skipped 1 bad shard(s) of 2: shard-00000.parquet" in caplog.text
+
+
+def test_undecodable_row_names_row_and_shard(built):
+    _, _, _, roots = built
+    cache = open_cache(roots["bf16"], Storage())
+    rows = _rows(cache)
+    rows["features"][1] = rows["features"][1][:-3]
+    rows["path"] = ["shard-00000.parquet"] * len(rows["seq_id"])
+    with pytest.raises(CacheError, match=r"row '.*' of shard shard-00000.parquet cannot be decoded"):
+        decode_batch(rows, cache.manifest)
+
+
+def test_tensor_columns_have_no_dictionary_encoding(built):
+    _, _, _, roots = built
+    meta = pq.read_metadata(f"{roots['bf16']}/shard-00000.parquet")
+    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+    for name in ("features", "last_hidden"):
+        col = meta.row_group(0).column(names.index(name))
+        assert "RLE_DICTIONARY" not in col.encodings and "PLAIN_DICTIONARY" not in col.encodings
+    assert np.isclose(estimate_bytes(256, 3, 1000, "bf16"), 1000 * (4 * 512 + 5))
