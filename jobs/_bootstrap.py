@@ -3,6 +3,7 @@ working_dir) as well as from an installed package."""
 import sys
 from pathlib import Path
 
-_lib = str(Path(__file__).resolve().parents[1] / "platform")
-if _lib not in sys.path:
-    sys.path.insert(0, _lib)
+_root = Path(__file__).resolve().parents[1]
+for _p in (str(_root / "platform"), str(_root)):  # the library, and serving/
+    if _p not in sys.path:
+        sys.path.insert(0, _p)

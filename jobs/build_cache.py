@@ -2,6 +2,8 @@
 
     python jobs/build_cache.py --set cache.max_examples=512
     python jobs/build_cache.py --set storage.root=s3://dspark/demo --set cache.codec=fp8
+    python jobs/build_cache.py --set cache.source_uri=s3://dspark/demo/caches/builtin --set cache.name=fp8 \
+        --set cache.codec=fp8 --set cache.layers=[1,3]          # shrink an existing cache
     ray job submit --working-dir . -- python jobs/build_cache.py --set cache.num_actors=4
 
 The target regenerates responses to the corpus prompts; one forward per sequence captures the
@@ -18,13 +20,19 @@ def main(argv=None):
     args = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv)
     cfg = config_from_args(args)
     from dspark import tracking
-    from dspark.cache.build import build_cache, cache_uri
+    from dspark.cache.build import build_cache, cache_uri, transcode
+    from dspark.cache.read import open_cache
     from dspark.cluster import init_ray
+    from dspark.storage import Storage
 
-    init_ray(cfg)
     with tracking.run(cfg, "build-cache") as tracker:
         tracker.params({k: v for k, v in cfg.flat().items() if k.startswith(("cache.", "target.", "storage."))})
-        m = build_cache(cfg, tracker)
+        if cfg.cache.source_uri:  # shrink an existing cache: no target, no Ray needed
+            storage = Storage.from_config(cfg.storage)
+            m = transcode(open_cache(cfg.cache.source_uri, storage), cache_uri(cfg), cfg.cache.codec, cfg.cache.layers)
+        else:
+            init_ray(cfg)
+            m = build_cache(cfg, tracker)
         tracker.metrics({"cache.rows": m.rows, "cache.tokens": m.tokens, "cache.bytes": m.bytes,
                          "cache.bytes_per_token": m.bytes / max(m.tokens, 1)}, len(m.shards))
         tracker.params({"cache.uri_resolved": cache_uri(cfg), "cache.layers_resolved": m.layers})

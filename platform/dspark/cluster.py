@@ -15,7 +15,8 @@ def runtime_env() -> dict:
     except metadata.PackageNotFoundError:
         import dspark
 
-        return {"py_modules": [str(Path(dspark.__file__).parent)]}
+        lib = Path(dspark.__file__).parent
+        return {"py_modules": [str(lib), str(lib.parents[1] / "serving")]}
 
 
 def init_ray(cfg) -> None:

@@ -95,18 +95,19 @@ class CacheConfig(Section):
     shard_rows: int = Field(256, ge=1)
     max_examples: int = Field(0, ge=0)  # 0 = all train examples
     max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(0.8, ge=0)  # regeneration sampling (0 = greedy)
+    top_p: float = Field(0.95, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     seed: int = 0
     batch_size: int = Field(16, ge=1)
     num_actors: int = Field(1, ge=1)
     num_gpus_per_actor: float = Field(0.0, ge=0)
     skip_bad_shards: bool = False
+    source_uri: str = ""  # transcode this existing cache (codec / fewer layers) instead of running the target
 
 
 class TrainConfig(Section):
-    """Drafter training (jobs/train_dspark.py)."""
+    """Drafter training (jobs/train_dspark.py): Ray Train workers running DeepSpeed ZeRO."""
 
     drafter: Literal["dspark", "dflash", "eagle3"] = "dspark"
     markov: Literal["vanilla", "gated", "rnn"] = "vanilla"
@@ -114,18 +115,30 @@ class TrainConfig(Section):
     gamma: int = Field(7, ge=1)
     markov_rank: int = Field(256, ge=1)
     anchors_per_seq: int = Field(32, ge=1)
+    dist_loss: Literal["l1", "kl"] = "l1"  # DSpark's distribution-matching term (paper: l1 = 2 TV)
     lr: float = Field(6e-4, gt=0)
     warmup_frac: float = Field(0.04, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     epochs: int = Field(1, ge=1)
-    global_batch: int = Field(16, ge=1)  # sequences per optimizer step
-    micro_batch: int = Field(4, ge=1)
+    max_steps: int = Field(0, ge=0)  # 0 = as many as `epochs` give
+    global_batch: int = Field(16, ge=1)  # sequences per optimizer step, all workers together
+    micro_batch: int = Field(4, ge=1)  # sequences per worker per forward
     num_workers: int = Field(1, ge=1)
-    cpus_per_worker: float = Field(0.5, gt=0)
+    cpus_per_worker: float = Field(0.5, gt=0)  # < 1 leaves CPUs for Ray Data's read tasks (no deadlock)
+    gpus_per_worker: float = Field(0.0, ge=0)
+    threads_per_worker: int = Field(1, ge=1)  # torch intra-op threads on CPU workers
     zero_stage: int = Field(2, ge=0, le=3)
+    optimizer: Literal["torch_adamw", "deepspeed_adamw", "deepspeed_cpu_adam"] = "torch_adamw"
+    bf16: bool = False  # mixed precision (CUDA)
+    checkpoint_every: int = Field(50, ge=1)  # optimizer steps
+    keep_checkpoints: int = Field(2, ge=1)
+    max_failures: int = Field(2, ge=-1)
     seed: int = 42
+    run_name: str = ""  # "" = drafter kind + time; rerunning with the same name resumes it
+    warm_start: str = ""  # a drafter folder/URI whose weights initialise training (not its optimizer)
     out_uri: str = ""  # "" = <storage.root>/drafters/<run name>
+    evaluate: bool = True  # offline evaluation of the final drafter, logged to the same MLflow run
 
 
 class EvalConfig(Section):
@@ -144,11 +157,23 @@ class ServeConfig(Section):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    max_batch: int = Field(16, ge=1)
-    max_queue: int = Field(64, ge=1)
+    model_name: str = "dspark-builtin"  # the name clients pass as `model`
+    drafter_uri: str = ""  # "" = serve the target alone
+    gamma: int = Field(7, ge=1)
     policy: Literal["none", "static", "threshold", "greedy", "async"] = "greedy"
     static_len: int = Field(4, ge=0)
-    api_key: Optional[str] = None
+    threshold: float = Field(0.5, gt=0, lt=1)
+    max_batch: int = Field(8, ge=1)  # concurrent requests per engine replica
+    max_queue: int = Field(32, ge=0)  # waiting requests per replica before 429
+    max_tokens_default: int = Field(128, ge=1)
+    num_replicas: int = Field(1, ge=1)
+    sps_table: str = ""  # "" = profile SPS(B) at engine start; else a JSON table measured elsewhere
+    sps_batches: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 12, 16, 24, 32, 48, 64])
+    calibration: bool = True  # online calibration actor (refits STS temperatures from live outcomes)
+    calibration_refit_every: int = Field(100, ge=1)  # rounds
+    calibration_min_rounds: int = Field(200, ge=1)
+    calibration_half_life: float = Field(2000.0, gt=0)  # rounds
+    api_key: Optional[str] = None  # when set, requests need "Authorization: Bearer <key>"
 
 
 class MLflowConfig(Section):

@@ -139,14 +139,15 @@ class Service:
         st = ServiceState(**json.loads(self.state_file.read_text()))
         return st if _alive(st.pid) else None
 
-    def start(self, timeout: float = 90.0) -> ServiceState:
+    def start(self, timeout: float = 240.0, ports: dict[str, int] | None = None) -> ServiceState:
+        """Start (or find running) the service; `ports` pins the ports, e.g. to restart in place."""
         st = self.state()
         if st and self.healthy(st):
             return st
         if st:
             self.stop()
         self.dir.mkdir(parents=True, exist_ok=True)
-        ports = self.ports()
+        ports = ports or self.ports()
         log = self.root / f"{self.name}.log"
         env = {**os.environ, **self.process_env()}
         cmd = self.command(ports)
@@ -170,6 +171,17 @@ class Service:
             st = ServiceState(**json.loads(self.state_file.read_text()))
             _kill_group(st.pid, self.grace_s)
             self.state_file.unlink(missing_ok=True)
+
+    def outage(self, seconds: float) -> ServiceState:
+        """Kill the service hard, stay down for `seconds`, come back on the same ports with the same
+        data: what a crashed and restarted server looks like to clients."""
+        st = self.state()
+        if st is None:
+            raise UserError(f"{self.name} is not running")
+        _kill_group(st.pid, 0.0)
+        self.state_file.unlink(missing_ok=True)
+        time.sleep(seconds)
+        return self.start(ports=st.ports)
 
 
 class ObjectStore(Service):

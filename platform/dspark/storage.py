@@ -89,6 +89,34 @@ class Storage:
         )
         return fs, self.path_of(uri)
 
+    def upload_dir(self, local: str | Path, uri: str) -> None:
+        """Copy a local folder's files to uri (a local path or s3:// prefix)."""
+        import shutil
+
+        if not self.is_remote(uri):
+            shutil.copytree(local, self.path_of(uri), dirs_exist_ok=True)
+            return
+        fs, path = self.fsspec_fs(uri)
+        for f in sorted(Path(local).iterdir()):
+            if f.is_file():
+                fs.put_file(str(f), f"{path}/{f.name}")
+
+    def download_dir(self, uri: str, dest: str | Path) -> Path:
+        """A local folder holding uri's files: the folder itself when uri is local."""
+        if not self.is_remote(uri):
+            if not Path(self.path_of(uri)).is_dir():
+                raise UserError(f"folder not found: {uri}")
+            return Path(self.path_of(uri))
+        fs, path = self.fsspec_fs(uri)
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        files = [f for f in fs.ls(path, detail=True) if f["type"] == "file"]
+        if not files:
+            raise UserError(f"nothing found at {uri}")
+        for f in files:
+            fs.get_file(f["name"], str(dest / f["name"].rsplit("/", 1)[-1]))
+        return dest
+
     def check(self, uri: str) -> None:
         """Fail fast, with one line naming the endpoint or bucket, if `uri` cannot be used."""
         if not self.is_remote(uri):

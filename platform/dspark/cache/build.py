@@ -232,3 +232,39 @@ def build_cache(cfg: Config, tracker=None, log_fn=print) -> Manifest:
 def _same_build(a: Manifest, b: Manifest) -> bool:
     keys = ("target", "tokenizer_sha256", "layers", "hidden_size", "codec", "generation", "corpus_sha256")
     return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def transcode(src, dst_uri: str, codec: str, layers: list[int] | None = None, log_fn=print) -> Manifest:
+    """Shrink an existing cache without re-running the target: another codec (e.g. fp8) and/or a
+    subset of its tapped layers. Shard by shard, each published atomically, manifest last; shards
+    already transcoded are skipped. `src` is a dspark.cache.read.Cache."""
+    from dspark.cache.read import decode_batch
+
+    m = src.manifest
+    layers = list(layers or m.layers)
+    missing = [i for i in layers if i not in m.layers]
+    if missing:
+        raise UserError(f"cache.layers: {missing} are not in the source cache (it has {m.layers})")
+    keep = [m.layers.index(i) for i in layers]
+    fs_src, root_src = src.fs_root
+    fs, root = src.storage.pyarrow_fs(dst_uri)
+    fs.create_dir(root, recursive=True)
+    done = published_stats(fs, root)
+    out = Manifest(target=m.target, tokenizer_sha256=m.tokenizer_sha256, layers=layers, hidden_size=m.hidden_size,
+                   codec=codec, generation={**m.generation, "transcoded_from": src.uri}, corpus_sha256=m.corpus_sha256)
+    for s in m.shards:
+        if s.shard_id in done:
+            continue
+        table = pq.read_table(f"{root_src}/{s.file}", filesystem=fs_src)
+        rows = {k: table.column(k).to_pylist() for k in table.column_names}
+        dec = decode_batch(rows, m)
+        feats, last = [], []
+        for r, n in enumerate(rows["num_tokens"]):
+            feats.append(codecs.encode(dec["features"][r, :n][:, keep], codec))
+            last.append(codecs.encode(dec["last_hidden"][r, :n], codec))
+        rows["features"], rows["last_hidden"] = feats, last
+        done[s.shard_id] = publish_shard(fs, root, s.shard_id, rows)
+        log_fn(f"[cache] transcoded {s.file}: {s.bytes / 2**20:.1f} -> {done[s.shard_id].bytes / 2**20:.1f} MiB")
+    out.shards = [done[s.shard_id] for s in m.shards]
+    _put_atomic(fs, f"{root}/{MANIFEST}", out.to_json().encode(), f"{root}/_tmp")
+    return out

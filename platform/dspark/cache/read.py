@@ -150,3 +150,21 @@ def decode_batch(batch: dict, manifest: Manifest, dtype: torch.dtype = torch.flo
         out["features"][r, :n] = feats
         out["last_hidden"][r, :n] = last
     return out
+
+
+def iter_local(cache: Cache, batch_size: int, seed: int = 0, epoch: int = 0, shards: list[ShardStats] | None = None,
+               dtype: torch.dtype = torch.float32):
+    """Single-process streaming reader (tests, offline experiments): shards in a seeded order, rows
+    shuffled within each shard, one shard in memory at a time; yields decoded batches."""
+    rng = np.random.default_rng(seed * 1_000_003 + epoch)
+    shards = list(shards if shards is not None else cache.manifest.shards)
+    fs, root = cache.fs_root
+    for i in rng.permutation(len(shards)):
+        s = shards[i]
+        table = pq.read_table(f"{root}/{s.file}", filesystem=fs)
+        rows = {k: table.column(k).to_pylist() for k in table.column_names}
+        rows["path"] = [s.file] * table.num_rows
+        order = rng.permutation(table.num_rows)
+        for j in range(0, len(order), batch_size):
+            idx = order[j:j + batch_size]
+            yield decode_batch({k: [v[t] for t in idx] for k, v in rows.items()}, cache.manifest, dtype)

@@ -110,6 +110,45 @@ def load(name_or_path: str = "builtin", device: str = "cpu", dtype: str = "float
     return Target(name_or_path, path, model, tokenizer, weights_hash(path))
 
 
+def tokenizer_for(name_or_path: str):
+    path = resolve(name_or_path)
+    if _check_local(path):
+        from dspark.corpus.tokenizer import load_tokenizer
+
+        return load_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def head_weights(name_or_path: str, dtype: str = "float32") -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and lm_head matrices (V, d) without loading the whole model:
+    what a drafter shares. Local safetensors folders are read selectively (sharded or not)."""
+    from safetensors import safe_open
+
+    path = resolve(name_or_path)
+    if not _check_local(path):  # a hub id: let transformers fetch it
+        tgt = load(path, dtype=dtype)
+        return tgt.model.get_input_embeddings().weight, tgt.model.get_output_embeddings().weight
+    cfg = hf_config(path)
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+
+    def read(name: str) -> torch.Tensor | None:
+        file = folder / (weight_map.get(name, "") if weight_map else "model.safetensors")
+        if not file.is_file():
+            return None
+        with safe_open(str(file), framework="pt") as f:
+            return f.get_tensor(name).to(DTYPES[dtype]) if name in f.keys() else None
+
+    embed = read("model.embed_tokens.weight")
+    if embed is None:
+        raise UserError(f"target {path}: no model.embed_tokens.weight in its safetensors files")
+    head = None if getattr(cfg, "tie_word_embeddings", False) else read("lm_head.weight")
+    return embed, embed if head is None else head
+
+
 def load_from_config(cfg) -> Target:
     """`cfg` is a dspark.config.TargetConfig."""
     if cfg.threads:

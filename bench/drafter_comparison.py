@@ -1,0 +1,172 @@
+"""Equal-budget drafter comparison on the reference target (the drafters issue's experiment).
+
+Every variant trains for the same number of optimizer steps on the same cache, in the same data
+order and with the same anchors (single-process loop, `dspark.train.loop.fit`), then all are
+evaluated together on held-out prompts (`dspark.evaluation`).
+
+    python bench/drafter_comparison.py --cache s3://dspark/main/caches/bf16 --steps 600 \\
+        --variants eagle3,dflash,dspark,dspark_rnn --out results/comparison
+
+Variants: eagle3 (1 layer), dflash (2 layers), dflash5 (5 layers), dspark (2 layers, vanilla Markov),
+dspark_rnn, dspark_gated, and the same names with suffix _g15 (trained and drafted at gamma=15),
+_fp8 (trained on --fp8-cache), _kl (DSpark with KL(p_t||p_d) in place of the L1 term: an ablation). Prints a tau table with ratios next to the paper's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
+
+import torch  # noqa: E402
+
+VARIANTS = {  # name -> (kind, draft layers, markov head)
+    "eagle3": ("eagle3", 1, "none"),
+    "dflash": ("dflash", 2, "none"),
+    "dflash5": ("dflash", 5, "none"),
+    "dspark": ("dspark", 2, "vanilla"),
+    "dspark_rnn": ("dspark", 2, "rnn"),
+    "dspark_gated": ("dspark", 2, "gated"),
+}
+PAPER = {"dspark/dflash": (1.16, 1.18), "dspark/eagle3": (1.27, 1.31)}
+
+
+def parse(name: str):
+    base, gamma, fp8 = name.removesuffix("_kl"), 7, False
+    if base.endswith("_fp8"):
+        base, fp8 = base[:-4], True
+    if base.endswith("_g15"):
+        base, gamma = base[:-4], 15
+    if base not in VARIANTS:
+        raise SystemExit(f"unknown variant {name!r} (base names: {', '.join(VARIANTS)}; suffixes _g15, _fp8)")
+    return (*VARIANTS[base], gamma, fp8)
+
+
+def train_variant(name, tgt, cache, cfg, steps, out_dir, log):
+    from dspark.cache.read import iter_local
+    from dspark.models import DrafterConfig, build_drafter, count_params, save_drafter
+    from dspark.train.loop import fit
+
+    kind, layers, markov, gamma, _ = parse(name)
+    dc = DrafterConfig.from_target(tgt.config, kind, cache.manifest.layers, tgt.tokenizer.mask_token_id,
+                                   num_layers=layers, gamma=gamma, markov=markov,
+                                   target={"name": "builtin", "weights_sha256": tgt.weights_sha256})
+    torch.manual_seed(cfg.train.seed)
+    drafter = build_drafter(dc, tgt.model)
+    tc = cfg.train.model_copy(update={"gamma": gamma, "dist_loss": "kl" if name.endswith("_kl") else "l1"})
+    epoch = [0]
+
+    def batches():
+        epoch[0] += 1
+        return iter_local(cache, tc.micro_batch, seed=tc.seed, epoch=epoch[0])
+
+    t0 = time.perf_counter()
+
+    def progress(step, m):
+        if step % 50 == 0 or step == steps - 1:
+            log(f"[{name}] step {step:4d} loss {m['loss']:.4f} expected tau {m['expected_tau']:.3f} "
+                f"accept_1 {m['accept_1']:.3f} {m['tokens_per_s']:.0f} tok/s ({time.perf_counter() - t0:.0f}s)")
+
+    hist = fit(drafter, batches, tc, steps, progress)
+    save_drafter(drafter, out_dir / name)
+    return drafter, {"params": count_params(drafter), "train_s": time.perf_counter() - t0,
+                     "final": hist[-1], "epochs": epoch[0]}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cache", required=True)
+    p.add_argument("--fp8-cache", default="")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--variants", default="eagle3,dflash,dspark,dspark_rnn")
+    p.add_argument("--out", default="results/comparison")
+    p.add_argument("--eval-only", action="store_true", help="evaluate drafters already trained into --out")
+    p.add_argument("--gammas", default="", help="static verification lengths to also evaluate _g15 variants at, e.g. 3,7,15")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    args = p.parse_args()
+
+    from dspark import evaluation
+    from dspark import target as targets
+    from dspark.cache.read import open_cache
+    from dspark.config import load_config
+    from dspark.corpus.sources import Corpus
+    from dspark.models import load_drafter
+    from dspark.storage import Storage
+
+    cfg = load_config(overrides=["train.global_batch=16", "train.micro_batch=8", "train.lr=1e-3",
+                                 "train.anchors_per_seq=32", *args.overrides])
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tgt = targets.load("builtin")
+    storage = Storage.from_config(cfg.storage)
+    caches = {False: open_cache(args.cache, storage)}
+    if args.fp8_cache:
+        caches[True] = open_cache(args.fp8_cache, storage)
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    info = json.loads((out / "training.json").read_text()) if (out / "training.json").exists() else {}
+    drafters = {}
+    for name in names:
+        if args.eval_only or (out / name / "model.safetensors").exists():
+            drafters[name] = load_drafter(out / name, tgt.model, tgt.weights_sha256)
+            continue
+        drafters[name], info[name] = train_variant(name, tgt, caches[parse(name)[4]], cfg, args.steps, out, print)
+        (out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
+    corpus = Corpus.load(cfg.corpus)
+    groups: dict[int, dict] = {}
+    for name, d in drafters.items():
+        groups.setdefault(parse(name)[3], {})[name] = d
+    summary = {"training": info, "steps": args.steps, "evals": {}}
+    for gamma, ds in sorted(groups.items()):
+        ecfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"gamma": gamma})})
+        res = evaluation.evaluate(ecfg, tgt, ds, corpus, out / f"gamma{gamma}")
+        summary["evals"][gamma] = [r.__dict__ for r in res["results"]]
+        print((out / f"gamma{gamma}" / "results.md").read_text())
+    if args.gammas:
+        summary["static_lengths"] = static_lengths(cfg, tgt, groups.get(15, {}), corpus,
+                                                   [int(x) for x in args.gammas.split(",")])
+    print(ratio_table(summary["evals"].get(7, [])))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+
+
+def static_lengths(cfg, tgt, drafters: dict, corpus, lengths: list[int]) -> list[dict]:
+    """tau when drafting 15 tokens but verifying only the first l (l = 3, 7, 15), T=1."""
+    from dspark import evaluation
+    from dspark.decoding.sampling import SamplingParams
+
+    rows = []
+    sp = SamplingParams(1.0)
+    for dom in ("code", "prose"):
+        prompts = evaluation.prompts_for(cfg, corpus, dom, "heldout", cfg.eval.prompts_per_domain, tgt.tokenizer)
+        for name, d in drafters.items():
+            for ell in lengths:
+                reqs = evaluation.decode(tgt.model, d, prompts, sp, 15, cfg.eval.max_new_tokens, tgt.tokenizer.eos_token_id,
+                                         cfg.eval.seed, policy=lambda s, R, g, ell=ell: [ell] * R)
+                r = evaluation.summarize(name, dom, sp, 15, reqs)
+                rows.append({"drafter": name, "domain": dom, "verify_len": ell, "tau": r.tau, "draft_ms": r.draft_ms,
+                             "verify_ms": r.verify_ms})
+                print(f"[static] {name} {dom} l={ell}: tau {r.tau:.3f} draft {r.draft_ms:.2f} ms verify {r.verify_ms:.2f} ms")
+    return rows
+
+
+def ratio_table(rows: list[dict]) -> str:
+    by = {(r["drafter"], r["domain"], r["temperature"]): r["tau"] for r in rows}
+    lines = ["| domain | T | " + " | ".join(sorted({r['drafter'] for r in rows if r['gamma']})) +
+             " | DSpark/DFlash (paper 1.16-1.18) | DSpark/EAGLE-3 (paper 1.27-1.31) |", ""]
+    lines[1] = "|" + "---|" * (len(lines[0].split("|")) - 2)
+    for dom in ("code", "prose"):
+        for t in sorted({r["temperature"] for r in rows}):
+            names = sorted({r['drafter'] for r in rows if r['gamma']})
+            taus = [by.get((n, dom, t), float("nan")) for n in names]
+            ds, df, ea = by.get(("dspark", dom, t)), by.get(("dflash", dom, t)), by.get(("eagle3", dom, t))
+            r1 = f"{ds / df:.3f}" if ds and df else "-"
+            r2 = f"{ds / ea:.3f}" if ds and ea else "-"
+            lines.append(f"| {dom} | {t:g} | " + " | ".join(f"{x:.3f}" for x in taus) + f" | {r1} | {r2} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

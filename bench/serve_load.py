@@ -1,0 +1,124 @@
+"""HTTP load on the Ray Serve application (loopback only, bounded in requests and time): aggregate
+tokens/s, per-user tokens/s, p50/p99 latency and mean verification budget at concurrency 1..32 for
+target-only decoding, a static gamma, and DSpark with the adaptive (Algorithm 1) scheduler.
+
+    python bench/serve_load.py --drafter results/comparison/dspark [--concurrency 1,2,4,8,16,32]
+
+Each user sends held-out prompts one after another (T=1, max_tokens 64) for --seconds or
+--requests per user, whichever ends first. Writes a table and a throughput vs per-user speed PNG
+(the paper's Fig. 7 shape).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+async def user(client, url, prompts, deadline, max_requests, max_tokens, out):
+    i = 0
+    while time.perf_counter() < deadline and i < max_requests:
+        t0 = time.perf_counter()
+        r = await client.post(url + "/v1/completions", json={"prompt": prompts[i % len(prompts)], "max_tokens": max_tokens,
+                                                              "temperature": 1.0, "seed": i})
+        dt = time.perf_counter() - t0
+        if r.status_code == 200:
+            body = r.json()
+            out.append((dt, body["usage"]["completion_tokens"], body["speculative"]["mean_verify_len"]))
+        i += 1
+
+
+async def load(url, prompts, users, seconds, max_requests, max_tokens):
+    import httpx
+
+    out: list = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(user(client, url, prompts[u::users] or prompts, t0 + seconds, max_requests, max_tokens, out)
+                               for u in range(users)))
+        wall = time.perf_counter() - t0
+    lat = sorted(x[0] for x in out)
+    return {"requests": len(out), "tok_s": sum(x[1] for x in out) / wall,
+            "per_user_tok_s": statistics.mean(x[1] / x[0] for x in out),
+            "p50": lat[len(lat) // 2], "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+            "budget": statistics.mean(x[2] for x in out)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--drafter", default="results/comparison/dspark")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32")
+    p.add_argument("--seconds", type=float, default=20)
+    p.add_argument("--requests", type=int, default=8, help="per user, per point")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--out", default="results/serve_load")
+    args = p.parse_args()
+    from ray import serve
+
+    from dspark import evaluation
+    from dspark import target as targets
+    from dspark.config import load_config
+    from dspark.corpus.sources import Corpus
+    from dspark.services import free_port
+    from serving.app import run_local
+
+    cfg = load_config()
+    tok = targets.load("builtin").tokenizer
+    corpus = Corpus.load(cfg.corpus)
+    prompts = [tok.decode(ids[2:-1]) for d in ("code", "prose")
+               for ids in evaluation.prompts_for(cfg, corpus, d, "heldout", 32, tok)]
+    conc = [int(c) for c in args.concurrency.split(",")]
+    modes = {"target-only": ["serve.policy=none"], "static gamma=4": ["serve.policy=static", "serve.static_len=4"],
+             "dspark adaptive": ["serve.policy=greedy"]}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {}
+    for mode, extra in modes.items():
+        port = free_port()
+        ov = [f"serve.drafter_uri={args.drafter}", f"serve.port={port}", f"serve.max_batch={max(conc)}",
+              f"serve.max_queue={2 * max(conc)}", "serve.calibration=false", "ray.num_cpus=2", *extra]
+        url = run_local(load_config(overrides=ov))
+        asyncio.run(load(url, prompts, 1, 5, 2, 16))  # warm-up
+        results[mode] = {}
+        for c in conc:
+            results[mode][c] = asyncio.run(load(url, prompts, c, args.seconds, args.requests, args.max_tokens))
+            r = results[mode][c]
+            print(f"{mode:16s} C={c:3d}: {r['tok_s']:7.1f} tok/s total, {r['per_user_tok_s']:6.1f} tok/s per user, "
+                  f"p50 {r['p50']:.2f}s p99 {r['p99']:.2f}s, budget {r['budget']:.2f} ({r['requests']} requests)", flush=True)
+        serve.delete("dspark")
+    serve.shutdown()
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    print("\n| mode | C | tok/s | tok/s per user | p50 s | p99 s | mean budget |\n|---|---|---|---|---|---|---|")
+    for mode, rows in results.items():
+        for c, r in rows.items():
+            print(f"| {mode} | {c} | {r['tok_s']:.1f} | {r['per_user_tok_s']:.1f} | {r['p50']:.2f} | {r['p99']:.2f} | {r['budget']:.2f} |")
+    plot(results, out / "serve_load.png")
+    print(f"\n[load] {out}/results.json, {out}/serve_load.png; loopback HTTP, T=1, max_tokens {args.max_tokens}")
+
+
+def plot(results, path):
+    from dspark import plots
+
+    fig, axes = plots.figure(size=(6, 4.5))
+    ax = axes[0][0]
+    for mode, rows in results.items():
+        xs = [r["per_user_tok_s"] for r in rows.values()]
+        ys = [r["tok_s"] for r in rows.values()]
+        ax.plot(xs, ys, "-o", label=mode)
+        for c, x, y in zip(rows, xs, ys):
+            ax.annotate(str(c), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("per-user tokens/s")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_title("throughput vs per-user speed (labels: concurrency)")
+    plots.finish(fig, path, [ax])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Offline evaluation: held-out prompts per domain -> tau, conditional acceptance, prefix survival,
+draft/verify latency and speedup over plain target decoding; confidence calibration (STS) for
+drafters with a confidence head. Writes JSON + markdown + PNG to eval.out_dir and MLflow.
+
+    python jobs/evaluate.py --drafter dspark=results/drafters/dspark --drafter dflash=results/drafters/dflash
+    python jobs/evaluate.py --drafter d=s3://dspark/main/drafters/run1 --set eval.temperatures=[1.0]
+
+A drafter given by URI is copied locally first (a few MB); calibration.json is written next to a
+local drafter when STS is fitted (`--no-calibrate` skips it).
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import _bootstrap  # noqa: F401
+
+from dspark.config import add_config_args, config_from_args, run_main
+
+
+def main(argv=None):
+    p = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    p.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH", help="drafter to evaluate (repeatable)")
+    p.add_argument("--no-calibrate", action="store_true", help="do not fit STS temperatures")
+    args = p.parse_args(argv)
+    cfg = config_from_args(args)
+    from dspark import evaluation, tracking
+    from dspark import target as targets
+    from dspark.calibration import sts
+    from dspark.corpus.sources import Corpus
+    from dspark.errors import UserError
+    from dspark.models import load_drafter
+    from dspark.storage import Storage
+
+    if not args.drafter:
+        raise UserError("--drafter NAME=PATH: give at least one drafter to evaluate")
+    tgt = targets.load_from_config(cfg.target)
+    storage = Storage.from_config(cfg.storage)
+    drafters, paths = {}, {}
+    for spec in args.drafter:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise UserError(f"--drafter {spec!r}: expected NAME=PATH")
+        local = storage.download_dir(path, Path(cfg.eval.out_dir) / "drafters" / name)
+        drafters[name] = load_drafter(local, tgt.model, tgt.weights_sha256)
+        paths[name] = local
+        temps = sts.load(local / "calibration.json")
+        if temps:
+            print(f"[eval] {name}: has calibration.json (temperatures {temps}); refitting on validation prompts")
+    out = Path(cfg.eval.out_dir)
+    with tracking.run(cfg, "evaluate") as tracker:
+        tracker.params({**{k: v for k, v in cfg.flat().items() if k.startswith(("eval.", "target."))},
+                        **{f"drafter.{k}": v for k, v in paths.items()}})
+        res = evaluation.evaluate(cfg, tgt, drafters, Corpus.load(cfg.corpus), out, calibrate=not args.no_calibrate)
+        for name, temps in res["sts_temperatures"].items():
+            sts.save(paths[name] / "calibration.json", temps, {"fitted_on": "validation split, T=1"})
+        for r in res["results"]:
+            tracker.metrics({f"{r.drafter}.{r.domain}.T{r.temperature:g}.tau": r.tau,
+                             f"{r.drafter}.{r.domain}.T{r.temperature:g}.speedup": r.speedup}, 0)
+        tracker.artifact(out / "results.json")
+        tracker.artifact(out / "results.md")
+        tracker.artifact(out / "conditional_acceptance.png")
+        if (out / "reliability.png").exists():
+            tracker.artifact(out / "reliability.png")
+    sys.stdout.write((out / "results.md").read_text())
+    print(f"[eval] results in {out} (results.json, results.md, conditional_acceptance.png)")
+
+
+if __name__ == "__main__":
+    run_main(main)

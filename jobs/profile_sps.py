@@ -1,0 +1,39 @@
+"""Profile SPS(B), the target's verification steps per second at a total batch of B tokens, on this
+device, and save the table (with hardware info) for the scheduler:
+
+    python jobs/profile_sps.py --out results/sps.json --batches 1,2,4,8,16,32,64 --context 256
+    python jobs/profile_sps.py --set target.name_or_path=Qwen/Qwen3-4B --set target.device=cuda \\
+        --set target.dtype=bfloat16 --out sps-h200.json
+
+Serving loads such a table with --set serve.sps_table=FILE (production hardware profiled elsewhere).
+"""
+import argparse
+import json
+
+import _bootstrap  # noqa: F401
+
+from dspark.config import add_config_args, config_from_args, run_main
+
+
+def main(argv=None):
+    p = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    p.add_argument("--out", required=True)
+    p.add_argument("--batches", default="1,2,4,8,12,16,24,32,48,64,96,128")
+    p.add_argument("--context", type=int, default=256, help="KV-cache tokens each request already holds")
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args(argv)
+    cfg = config_from_args(args)
+    from dspark import target as targets
+    from dspark.scheduling.sps import profile
+
+    tgt = targets.load_from_config(cfg.target)
+    table = profile(tgt.model, [int(b) for b in args.batches.split(",")], context=args.context, repeats=args.repeats)
+    table.hardware.update({"target": cfg.target.name_or_path, "context": args.context, "repeats": args.repeats})
+    table.save(args.out)
+    for b, s in zip(table.batch, table.sps):
+        print(f"B={b:4d}  {s:8.2f} steps/s  {b * s:9.0f} tokens/s")
+    print(f"[sps] saved {args.out}: {json.dumps(table.hardware)}")
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,219 @@
+"""Continuous-batching engine for serving: a background thread runs speculative-decoding rounds for
+all active requests; requests join and leave between rounds; tokens stream out as they commit.
+
+Per round: drafts for all active requests -> the scheduling policy picks l_r from the calibrated
+survival and the SPS table -> one flattened target forward verifies everything -> rejection
+sampling. Acceptance outcomes go to an observer (the calibration actor) and fresh STS temperatures
+can be installed at any time. The waiting queue is bounded: beyond it `submit` raises Overloaded.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from dspark.decoding.sampling import SamplingParams
+from dspark.decoding.speculative import Request, SpeculativeDecoder
+from dspark.scheduling import policies
+from dspark.scheduling.sps import SPSTable
+
+POLICIES = ("none", "static", "threshold", "greedy", "async")
+
+
+class Overloaded(Exception):
+    """The waiting queue is full: answer 429 rather than growing memory."""
+
+
+def make_policy(name: str, sps: SPSTable, static_len: int, threshold: float = 0.5):
+    """policy(survival (R, gamma) or None, R, gamma) -> lengths. Drafters without a confidence head
+    (DFlash, EAGLE-3) get the static length under every confidence-based policy."""
+    history: deque = deque(maxlen=2)  # survival matrices of the two previous rounds (async variant)
+
+    def policy(surv, R, gamma):
+        if name == "none":
+            return [0] * R
+        if name == "static" or surv is None:
+            return [min(static_len, gamma)] * R
+        a = surv.numpy()
+        if name == "threshold":
+            return policies.static_threshold(a, threshold).tolist()
+        if name == "greedy":
+            return policies.greedy_prefix(a, sps).tolist()
+        stale = history[0] if len(history) == 2 else a  # confidences from two rounds before
+        history.append(a)
+        return policies.async_global(a, stale, sps).tolist()
+
+    return policy
+
+
+@dataclass
+class Stream:
+    """One request as the engine sees it, plus the queue its events are delivered to."""
+
+    req: Request
+    stop: list[str]
+    detok: Callable[[list[int]], str]
+    events: "queue.Queue" = field(default_factory=queue.Queue)
+    id: str = ""
+    sent_text: str = ""
+    sent_tokens: int = 0
+    submitted: float = field(default_factory=time.perf_counter)
+    finish_reason: Optional[str] = None
+
+    def stats(self) -> dict:
+        gamma = max((r.verified for r in self.req.rounds), default=0)
+        verified = [sum(r.verified >= k for r in self.req.rounds) for k in range(1, gamma + 1)]
+        accepted = [sum(r.accepted >= k for r in self.req.rounds) for k in range(1, gamma + 1)]
+        return {"rounds": len(self.req.rounds), "mean_tau": self.req.tau, "verified_per_position": verified,
+                "accepted_per_position": accepted,
+                "mean_verify_len": float(np.mean([r.verified for r in self.req.rounds])) if self.req.rounds else 0.0}
+
+
+class Engine:
+    def __init__(self, target_model, tokenizer, drafter=None, gamma: int = 7, policy: str = "greedy",
+                 sps: Optional[SPSTable] = None, max_batch: int = 8, max_queue: int = 32, static_len: int = 4,
+                 threshold: float = 0.5, temperatures: Optional[list[float]] = None,
+                 observer: Optional[Callable[[list], None]] = None, metrics=None):
+        if policy not in POLICIES:
+            raise ValueError(f"policy: {policy!r} not in {POLICIES}")
+        self.tok = tokenizer
+        self.sps = sps or SPSTable.synthetic("smooth")
+        self.policy_name = policy
+        self.decoder = SpeculativeDecoder(target_model, drafter if policy != "none" else None, gamma,
+                                          make_policy(policy, self.sps, static_len, threshold), max_slots=max_batch,
+                                          temperatures=temperatures)
+        self.max_queue = max_queue
+        self.max_positions = target_model.config.max_position_embeddings
+        self.observer, self.metrics = observer, metrics
+        self.waiting: deque[Stream] = deque()
+        self.streams: dict[int, Stream] = {}  # id(req) -> stream, for active requests
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.ids = itertools.count()
+        self.running = True
+        self.thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
+        self.thread.start()
+
+    # -- API (any thread)
+    def submit(self, prompt_ids: list[int], sp: SamplingParams, max_tokens: int, seed: int,
+               stop: list[str] | None = None) -> Stream:
+        if len(prompt_ids) + max_tokens > self.max_positions:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceeds the context "
+                             f"limit of {self.max_positions} tokens")
+        with self.lock:
+            if len(self.waiting) >= self.max_queue:
+                raise Overloaded(f"{len(self.waiting)} requests already waiting (max_queue={self.max_queue})")
+            req = Request(list(prompt_ids), sp, max_tokens, seed, (self.tok.eos_token_id,))
+            s = Stream(req, stop or [], lambda ids: self.tok.decode(ids, skip_special_tokens=True),
+                       id=f"cmpl-{next(self.ids)}")
+            self.waiting.append(s)
+        self.wake.set()
+        return s
+
+    def cancel(self, s: Stream) -> None:
+        """Client gone: drop it from the queue or free its slot between rounds."""
+        with self.lock:
+            s.finish_reason = s.finish_reason or "cancelled"
+            if s in self.waiting:
+                self.waiting.remove(s)
+        self.wake.set()
+
+    def set_temperatures(self, temps: list[float]) -> None:
+        self.decoder.temperatures = list(temps)
+
+    def state(self) -> dict:
+        return {"active": len(self.decoder.active), "waiting": len(self.waiting), "policy": self.policy_name,
+                "drafter": self.decoder.drafter is not None, "drafter_error": self.decoder.drafter_error,
+                "temperatures": self.decoder.temperatures}
+
+    def close(self) -> None:
+        self.running = False
+        self.wake.set()
+        self.thread.join(timeout=10)
+
+    # -- engine thread
+    def _loop(self) -> None:
+        while self.running:
+            self._admit()
+            dec = self.decoder
+            for s in [self.streams[id(r)] for r in dec.active if self.streams[id(r)].finish_reason == "cancelled"]:
+                dec.cancel(s.req)
+                self._finish(s)
+            if not dec.active:
+                self.wake.wait(0.05)
+                self.wake.clear()
+                continue
+            batch = list(dec.active)
+            t0 = time.perf_counter()
+            try:
+                dec.step()
+            except Exception as e:  # a broken round must not take the server down: fail its requests
+                for r in batch:
+                    s = self.streams[id(r)]
+                    s.finish_reason = "error"
+                    s.events.put(("error", f"{type(e).__name__}: {e}"))
+                    dec.cancel(r)
+                    self.streams.pop(id(r), None)
+                continue
+            self._observe(batch, time.perf_counter() - t0)
+            for r in batch:
+                self._emit(self.streams[id(r)])
+
+    def _admit(self) -> None:
+        dec = self.decoder
+        while dec.runner.free_slots:
+            with self.lock:
+                if not self.waiting:
+                    return
+                s = self.waiting.popleft()
+            self.streams[id(s.req)] = s
+            try:
+                dec.add(s.req)
+            except Exception as e:
+                s.finish_reason = "error"
+                s.events.put(("error", f"{type(e).__name__}: {e}"))
+                self.streams.pop(id(s.req), None)
+                continue
+            self._emit(s)
+
+    def _emit(self, s: Stream) -> None:
+        out = s.req.out
+        text = s.detok(out)
+        stopped = next((text.index(x) for x in s.stop if x and x in text), None)
+        if stopped is not None:
+            text = text[:stopped]
+            s.finish_reason = "stop"
+        if len(text) > len(s.sent_text) and text.startswith(s.sent_text) and not text.endswith("\ufffd"):
+            s.events.put(("text", text[len(s.sent_text):]))
+            s.sent_text = text
+        s.sent_tokens = len(out)
+        if s.req.done or s.finish_reason == "stop":
+            if s.finish_reason is None:
+                s.finish_reason = "stop" if out and out[-1] == self.tok.eos_token_id else "length"
+            if s.finish_reason == "stop" and not s.req.done:
+                self.decoder.cancel(s.req)
+            if len(text) > len(s.sent_text):
+                s.events.put(("text", text[len(s.sent_text):]))
+                s.sent_text = text
+            self._finish(s)
+
+    def _finish(self, s: Stream) -> None:
+        self.streams.pop(id(s.req), None)
+        s.events.put(("done", {"finish_reason": s.finish_reason, "completion_tokens": len(s.req.out),
+                               "prompt_tokens": len(s.req.prompt), "speculative": s.stats()}))
+
+    def _observe(self, batch: list[Request], seconds: float) -> None:
+        rounds = [r.rounds[-1] for r in batch if r.rounds]
+        if self.metrics:
+            self.metrics.round(rounds, len(batch), len(self.waiting), seconds)
+        if self.observer:
+            obs = [(x.conf_logit, x.verified, x.accepted, x.survival) for x in rounds if x.conf_logit is not None]
+            if obs:
+                self.observer(obs)

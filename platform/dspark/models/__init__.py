@@ -1,0 +1,58 @@
+"""Drafters: DSpark (parallel backbone + Markov head + confidence head), DFlash, EAGLE-3.
+
+A saved drafter is an HF-style folder: config.json + model.safetensors (the target's embedding and
+lm_head are shared and frozen, so they are not in it) + calibration.json once calibrated.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from dspark.errors import UserError
+from dspark.models.config import DrafterConfig
+from dspark.models.drafter import Drafter, DraftState, Proposal
+from dspark.models.dspark import DSpark
+from dspark.models.eagle3 import Eagle3
+from dspark.models.layers import FrozenTargetHead
+
+__all__ = ["DrafterConfig", "Drafter", "DraftState", "Proposal", "build_drafter", "save_drafter", "load_drafter"]
+
+
+def build_drafter(c: DrafterConfig, target) -> Drafter:
+    """`target` is the target HF model or an already extracted FrozenTargetHead."""
+    head = target if isinstance(target, FrozenTargetHead) else FrozenTargetHead.from_target(target)
+    if c.kind == "eagle3":
+        return Eagle3(c, head)
+    if c.kind == "dflash":
+        c.markov = "none"
+    elif c.markov == "none":
+        raise UserError("train.markov: a dspark drafter needs a Markov head (vanilla, gated or rnn)")
+    return DSpark(c, head)
+
+
+def save_drafter(drafter: Drafter, path: str | Path) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    drafter.c.save(path / "config.json")
+    state = {k: v.detach().float().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"), metadata={"kind": drafter.c.kind})
+
+
+def load_drafter(path: str | Path, target_model, target_hash: str | None = None, strict_target: bool = True) -> Drafter:
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise UserError(f"drafter not found: {path} (expected config.json and model.safetensors)")
+    c = DrafterConfig.load(path / "config.json")
+    trained_for = c.target.get("weights_sha256")
+    if strict_target and target_hash and trained_for and trained_for != target_hash:
+        raise UserError(f"drafter {path} was trained for target weights {trained_for[:12]}, "
+                        f"not the loaded target {target_hash[:12]} (target.weights_sha256 mismatch)")
+    drafter = build_drafter(c, target_model)
+    dtype = next(target_model.parameters()).dtype
+    drafter.load_state_dict(load_file(str(path / "model.safetensors")))
+    return drafter.to(device=next(target_model.parameters()).device, dtype=dtype).eval()
+
+
+def count_params(drafter: Drafter) -> int:
+    return sum(p.numel() for p in drafter.parameters())

@@ -1,0 +1,58 @@
+"""The parallel (DFlash-style) backbone: one forward drafts a whole block.
+
+Input block for an anchor at position p: [x_p, MASK, ..., MASK] (gamma slots) at positions
+p .. p+gamma-1; slot i predicts the token at p+i+1. Every draft layer attends to
+    keys/values = [k/v_proj(C_j) for context j < p ; k/v_proj(block)]
+where C is the fused target context. Visibility: context strictly before the anchor plus the whole
+own block (bidirectional); never another block. Training packs N blocks of a sequence into one
+forward with exactly this mask (`packed_mask`), so packed logits equal per-block inference logits.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark.models.config import DrafterConfig
+from dspark.models.layers import ContextFusion, DraftLayer
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+class ParallelBackbone(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.c = c
+        self.fusion = ContextFusion(c)
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+    def context_kv(self, feats: torch.Tensor, pos: torch.Tensor) -> list[KV]:
+        """feats: (B, C, m, d) tapped target layers at positions pos (B, C) -> per layer k/v (B, KVH, C, hd)."""
+        ctx = self.fusion(feats)  # (B, C, d)
+        return [layer.project_kv(ctx, pos) for layer in self.layers]
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, ctx_kv: list[KV], mask: torch.Tensor | None) -> torch.Tensor:
+        """x: (B, Q, d) block embeddings at pos (B, Q); mask (B, 1, Q, C+Q) -> final hidden (B, Q, d)."""
+        for layer, kv in zip(self.layers, ctx_kv):
+            x, _ = layer(x, pos, kv, mask)
+        return self.norm(x)
+
+
+def block_positions(anchors: torch.Tensor, gamma: int) -> torch.Tensor:
+    """anchors (B, N) -> slot positions (B, N*gamma): p_n + i."""
+    B, N = anchors.shape
+    return (anchors[:, :, None] + torch.arange(gamma, device=anchors.device)).reshape(B, N * gamma)
+
+
+def packed_mask(anchors: torch.Tensor, ctx_valid: torch.Tensor, gamma: int) -> torch.Tensor:
+    """Visibility for N packed blocks per sequence.
+
+    anchors (B, N) positions; ctx_valid (B, C) context rows that exist. Returns (B, 1, N*gamma, C + N*gamma):
+    query (n, i) sees context j iff j < anchors[n] and ctx_valid[j], and block key (n', i') iff n' == n."""
+    B, N = anchors.shape
+    C = ctx_valid.shape[1]
+    j = torch.arange(C, device=anchors.device)
+    ctx = (j[None, None, :] < anchors[:, :, None]) & ctx_valid[:, None, :]  # (B, N, C)
+    ctx = ctx[:, :, None, :].expand(B, N, gamma, C).reshape(B, N * gamma, C)
+    blk = torch.block_diag(*[torch.ones(gamma, gamma, dtype=torch.bool, device=anchors.device)] * N)  # (NG, NG)
+    return torch.cat([ctx, blk[None].expand(B, -1, -1)], -1)[:, None]

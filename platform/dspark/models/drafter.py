@@ -1,0 +1,96 @@
+"""What every drafter provides to training and to speculative decoding.
+
+Decoding keeps one `DraftState` per request. After the target commits tokens, `extend` appends the
+target features of the new positions (and, per position, the token that follows it: the last one
+is the new anchor). `propose` then drafts gamma tokens after each request's anchor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from dspark.models.config import DrafterConfig
+from dspark.models.layers import FrozenTargetHead
+
+# sample(logits (R, V)) -> (tokens (R,), probabilities (R, V) or None when greedy)
+Sampler = Callable[[torch.Tensor], tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # (R, gamma) long
+    probs: Optional[torch.Tensor]  # (R, gamma, V) the q_k the tokens were sampled from; None when greedy
+    conf_logit: Optional[torch.Tensor]  # (R, gamma) confidence-head logits; None without a head
+
+
+@dataclass
+class DraftState:
+    """Per-request drafter cache: per draft layer (k, v) of shape (KVH, C, hd) over committed positions."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    length: int = 0  # committed context positions 0 .. length-1
+    extra: dict = field(default_factory=dict)  # drafter-specific (e.g. EAGLE-3's last hidden state)
+
+    def append(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
+        """layer_kv: per layer (k, v) of shape (KVH, n, hd) for the new positions."""
+        if not self.kv:
+            self.kv = [(k.clone(), v.clone()) for k, v in layer_kv]
+        else:
+            self.kv = [(torch.cat([k0, k], 1), torch.cat([v0, v], 1)) for (k0, v0), (k, v) in zip(self.kv, layer_kv)]
+        self.length += n
+
+
+def pad_states(states: list[DraftState], n_layers: int):
+    """Stack per-request caches into (R, KVH, Cmax, hd) per layer plus a (R, Cmax) validity mask."""
+    R = len(states)
+    cmax = max(s.length for s in states)
+    ref = states[0].kv[0][0]
+    kvh, hd = ref.shape[0], ref.shape[2]
+    valid = torch.zeros(R, cmax, dtype=torch.bool, device=ref.device)
+    out = []
+    for layer in range(n_layers):
+        k = ref.new_zeros(R, kvh, cmax, hd)
+        v = ref.new_zeros(R, kvh, cmax, hd)
+        for r, s in enumerate(states):
+            k[r, :, : s.length] = s.kv[layer][0]
+            v[r, :, : s.length] = s.kv[layer][1]
+        out.append((k, v))
+    for r, s in enumerate(states):
+        valid[r, : s.length] = True
+    return out, valid
+
+
+class Drafter(nn.Module):
+    """Base class: holds the config and the frozen target embedding/lm_head."""
+
+    def __init__(self, c: DrafterConfig, head: FrozenTargetHead):
+        super().__init__()
+        self.c = c
+        self.head = head
+
+    @property
+    def has_confidence(self) -> bool:
+        return False
+
+    def train_outputs(self, feats: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor,
+                      gamma: int) -> dict[str, torch.Tensor]:
+        """Teacher-forced drafts for N anchors per sequence.
+
+        feats (B, T, m, d), ids (B, T), valid (B, T), anchors (B, N) anchor positions p.
+        Returns logits (B, N, gamma, V) for the tokens at p+1 .. p+gamma, and conf_logit (B, N, gamma)
+        when the drafter has a confidence head."""
+        raise NotImplementedError
+
+    def extend(self, states: list[DraftState], feats: list[torch.Tensor], next_tokens: list[torch.Tensor]) -> None:
+        """Append committed positions. feats[r]: (n_r, m, d); next_tokens[r]: (n_r,) the token after each."""
+        raise NotImplementedError
+
+    def propose(self, states: list[DraftState], anchors: torch.Tensor, gamma: int, sample: Sampler) -> Proposal:
+        """Draft gamma tokens after each request's anchor token (at position states[r].length)."""
+        raise NotImplementedError
+
+    def release(self, state: DraftState) -> None:
+        """A request finished: free what its state holds beyond plain tensors (default: nothing)."""

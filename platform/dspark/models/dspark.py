@@ -1,0 +1,89 @@
+"""DSpark = parallel backbone + sequential Markov head + confidence head.  DFlash = the backbone alone.
+
+Drafting one round (anchor x_0 at position p):
+    h_1..h_gamma = backbone([x_0, MASK, ..]),   U_k = lm_head(h_k)             one parallel forward
+    for k = 1..gamma:                                                           cheap sequential loop
+        p_k = softmax(U_k + B_k(x_{<k}))   x_k ~ p_k   c_k = σ(w·[h_k; W1[x_{k-1}]] + b)
+DFlash samples every slot from softmax(U_k) independently.
+"""
+from __future__ import annotations
+
+import torch
+
+from dspark.models.backbone import ParallelBackbone, block_positions, packed_mask
+from dspark.models.config import DrafterConfig
+from dspark.models.drafter import Drafter, DraftState, Proposal, Sampler, pad_states
+from dspark.models.layers import FrozenTargetHead
+from dspark.models.markov import ConfidenceHead, MarkovHead
+
+
+class DSpark(Drafter):
+    def __init__(self, c: DrafterConfig, head: FrozenTargetHead):
+        super().__init__(c, head)
+        self.backbone = ParallelBackbone(c)
+        self.markov = MarkovHead(c) if c.markov != "none" else None
+        self.confidence = ConfidenceHead(c) if self.markov is not None else None
+
+    @property
+    def has_confidence(self) -> bool:
+        return self.confidence is not None
+
+    def _block(self, anchor_tokens: torch.Tensor, gamma: int) -> torch.Tensor:
+        """anchor_tokens (..., ) -> block ids (..., gamma): [x_0, MASK, ..., MASK]."""
+        block = torch.full((*anchor_tokens.shape, gamma), self.c.mask_token_id, dtype=torch.long,
+                           device=anchor_tokens.device)
+        block[..., 0] = anchor_tokens
+        return block
+
+    def train_outputs(self, feats, ids, valid, anchors, gamma):
+        B, T = ids.shape
+        N = anchors.shape[1]
+        pos_ctx = torch.arange(T, device=ids.device).expand(B, T)
+        ctx_kv = self.backbone.context_kv(feats, pos_ctx)
+        block = self._block(ids.gather(1, anchors), gamma)  # (B, N, G)
+        x = self.head.embed(block.reshape(B, N * gamma)).to(feats.dtype)  # (B, N*G, d)
+        h = self.backbone(x, block_positions(anchors, gamma), ctx_kv, packed_mask(anchors, valid, gamma))
+        h = h.view(B, N, gamma, -1)  # (B, N, G, d)
+        logits = self.head.logits(h)  # (B, N, G, V) base logits U
+        out = {"hidden": h}
+        if self.markov is not None:
+            # teacher forcing: slot k's previous token is the ground truth x_{p+k} (slot 0: the anchor)
+            prev_pos = (anchors[:, :, None] + torch.arange(gamma, device=ids.device)).clamp(max=T - 1)  # (B, N, G)
+            prev = ids.gather(1, prev_pos.view(B, -1)).view(B * N, gamma)
+            bias, e = self.markov.parallel(h.reshape(B * N, gamma, -1), prev)
+            logits = logits + bias.view(B, N, gamma, -1)
+            out["conf_logit"] = self.confidence(h, e.view(B, N, gamma, -1))  # (B, N, G)
+        out["logits"] = logits
+        return out
+
+    @torch.no_grad()
+    def extend(self, states: list[DraftState], feats: list[torch.Tensor], next_tokens: list[torch.Tensor]) -> None:
+        for s, f in zip(states, feats):  # one request at a time: the new rows are few
+            pos = torch.arange(s.length, s.length + f.shape[0], device=f.device)[None]
+            kv = self.backbone.context_kv(f[None].to(self.backbone.fusion.proj.weight.dtype), pos)
+            s.append([(k[0], v[0]) for k, v in kv], f.shape[0])
+
+    @torch.no_grad()
+    def propose(self, states: list[DraftState], anchors: torch.Tensor, gamma: int, sample: Sampler) -> Proposal:
+        R = len(states)
+        ctx_kv, valid = pad_states(states, len(self.backbone.layers))
+        p = torch.tensor([s.length for s in states], device=anchors.device)  # anchor positions
+        pos = p[:, None] + torch.arange(gamma, device=anchors.device)  # (R, G)
+        mask = torch.cat([valid[:, None, :].expand(R, gamma, -1),
+                          torch.ones(R, gamma, gamma, dtype=torch.bool, device=anchors.device)], -1)[:, None]
+        x = self.head.embed(self._block(anchors, gamma)).to(ctx_kv[0][0].dtype)  # (R, G, d)
+        h = self.backbone(x, pos, ctx_kv, mask)  # (R, G, d)
+        U = self.head.logits(h).float()  # (R, G, V)
+        if self.markov is None:  # DFlash: every slot independently
+            toks, probs = zip(*(sample(U[:, k]) for k in range(gamma)))
+            return Proposal(torch.stack(toks, 1), None if probs[0] is None else torch.stack(probs, 1), None)
+        toks, probs, confs = [], [], []
+        prev, state = anchors, self.markov.init_state(R, h.device, h.dtype)
+        for k in range(gamma):
+            bias, e, state = self.markov.step(h[:, k], prev, state)
+            tok, q = sample(U[:, k] + bias.float())
+            confs.append(self.confidence(h[:, k], e).float())
+            toks.append(tok)
+            probs.append(q)
+            prev = tok
+        return Proposal(torch.stack(toks, 1), None if probs[0] is None else torch.stack(probs, 1), torch.stack(confs, 1))

@@ -1,0 +1,100 @@
+"""Building blocks shared by the drafters: context fusion, RoPE, and a Qwen3-style draft layer whose
+attention reads an external key/value prefix (the target context) besides its own tokens."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.models.config import DrafterConfig
+
+
+class ContextFusion(nn.Module):
+    """Concatenated tapped target layers (.., m*d) -> bias-free Linear -> RMSNorm = context (.., d)."""
+
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.proj = nn.Linear(c.m * c.hidden_size, c.hidden_size, bias=False)
+        self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:  # (B, T, m, d) -> (B, T, d)
+        return self.norm(self.proj(feats.flatten(-2)))
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding at absolute positions. x: (B, T, H, hd), pos: (B, T)."""
+    hd = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))  # (hd/2,)
+    ang = pos.to(torch.float32)[..., None] * inv  # (B, T, hd/2)
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, :, None].to(x.dtype)  # (B, T, 1, hd)
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, :, None].to(x.dtype)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm transformer block (Qwen3 layout: per-head q/k RMSNorm, GQA, SwiGLU MLP).
+
+    Keys/values are [prefix; own tokens]: the prefix (e.g. the projected target context) is passed
+    in already projected, so it can be cached across drafting rounds."""
+
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        d, hd = c.hidden_size, c.head_dim
+        self.c = c
+        self.input_norm = nn.RMSNorm(d, eps=c.rms_norm_eps)
+        self.q_proj = nn.Linear(d, c.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, c.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, c.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * hd, d, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=c.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=c.rms_norm_eps)
+        self.post_norm = nn.RMSNorm(d, eps=c.rms_norm_eps)
+        self.gate = nn.Linear(d, c.intermediate_size, bias=False)
+        self.up = nn.Linear(d, c.intermediate_size, bias=False)
+        self.down = nn.Linear(c.intermediate_size, d, bias=False)
+
+    def project_kv(self, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: (B, T, d) already normalised -> k, v: (B, KVH, T, hd), RoPE applied to k."""
+        B, T, _ = h.shape
+        k = self.k_norm(self.k_proj(h).view(B, T, self.c.num_kv_heads, self.c.head_dim))
+        v = self.v_proj(h).view(B, T, self.c.num_kv_heads, self.c.head_dim)
+        return rope(k, pos, self.c.rope_theta).transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, prefix: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x: (B, Q, d) at positions pos (B, Q); prefix k/v: (B, KVH, P, hd); mask: (B, 1, Q, P+Q) bool,
+        True = visible (None = all visible). Returns (B, Q, d) and this call's own k/v."""
+        B, Q, _ = x.shape
+        h = self.input_norm(x)
+        q = self.q_norm(self.q_proj(h).view(B, Q, self.c.num_heads, self.c.head_dim))
+        q = rope(q, pos, self.c.rope_theta).transpose(1, 2)  # (B, H, Q, hd)
+        k, v = self.project_kv(h, pos)  # (B, KVH, Q, hd)
+        if prefix is not None:
+            k_all, v_all = torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2)
+        else:
+            k_all, v_all = k, v
+        a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)  # (B, H, Q, hd)
+        x = x + self.o_proj(a.transpose(1, 2).reshape(B, Q, -1))
+        h = self.post_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h)), (k, v)
+
+
+class FrozenTargetHead(nn.Module):
+    """The target's embedding table and lm_head, shared and frozen. Held as non-persistent buffers:
+    never trained, never written into drafter checkpoints, moved with .to()."""
+
+    def __init__(self, embed: torch.Tensor, lm_head: torch.Tensor):
+        super().__init__()
+        self.register_buffer("embed_weight", embed.detach(), persistent=False)  # (V, d)
+        self.register_buffer("lm_head_weight", lm_head.detach(), persistent=False)  # (V, d)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed_weight)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.lm_head_weight.T.to(h.dtype)
+
+    @classmethod
+    def from_target(cls, model) -> "FrozenTargetHead":
+        return cls(model.get_input_embeddings().weight, model.get_output_embeddings().weight)

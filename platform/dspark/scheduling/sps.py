@@ -1,0 +1,103 @@
+"""SPS(B): target verification steps per second at a total verification batch of B tokens.
+
+Profiled once on the actual device (warm-up, repeats, median, realistic context lengths) and kept as
+a table; a table measured elsewhere (production hardware) can be loaded from JSON instead."""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dspark.errors import UserError
+
+
+@dataclass
+class SPSTable:
+    batch: list[int]  # measured B values, increasing
+    sps: list[float]  # steps per second at each B
+    hardware: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.batch or len(self.batch) != len(self.sps) or any(np.diff(self.batch) <= 0):
+            raise UserError("SPS table: 'batch' must be increasing and as long as 'sps'")
+
+    def __call__(self, B: int) -> float:
+        """Linear interpolation inside the table; beyond it, constant tokens/s (SPS ∝ 1/B)."""
+        b = np.asarray(self.batch, dtype=np.float64)
+        if B <= b[0]:
+            return float(self.sps[0])
+        if B >= b[-1]:
+            return float(self.sps[-1] * b[-1] / B)
+        return float(np.interp(B, b, self.sps))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "SPSTable":
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"SPS table not found: {p}")
+        try:
+            return cls(**json.loads(p.read_text()))
+        except (ValueError, TypeError) as e:
+            raise UserError(f"SPS table {p} is not valid: {e}") from None
+
+    @classmethod
+    def synthetic(cls, kind: str = "smooth", max_batch: int = 2048) -> "SPSTable":
+        """Shapes for simulation: 'smooth' (flat, then bandwidth-bound decay) or 'cliff' (a step at 64)."""
+        b = np.arange(1, max_batch + 1)
+        if kind == "smooth":
+            s = 100.0 / (1 + (b / 48.0) ** 1.5) ** (2 / 3)
+        elif kind == "cliff":
+            s = np.where(b <= 64, 100.0 / (1 + b / 400.0), 45.0 / (1 + (b - 64) / 200.0))
+        else:
+            raise UserError(f"unknown synthetic SPS table {kind!r} (smooth, cliff)")
+        return cls(b.tolist(), s.tolist(), {"synthetic": kind})
+
+
+def hardware_info(device) -> dict:
+    import torch
+
+    info = {"device": str(device), "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
+    if str(device).startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def profile(target_model, batches: list[int], context: int = 256, repeats: int = 5, warmup: int = 2,
+            max_requests: int = 64) -> SPSTable:
+    """Measure verification steps/s for total batch B tokens, spread over min(B, max_requests) requests
+    that each already hold `context` tokens of KV cache (the median of `repeats` timed steps)."""
+    import torch
+
+    from dspark.decoding.runner import TargetRunner
+
+    vocab = target_model.config.vocab_size
+    out = []
+    for B in batches:
+        R = min(B, max_requests)
+        per = [B // R + (1 if r < B % R else 0) for r in range(R)]
+        runner = TargetRunner(target_model, [], max_slots=R, capacity=context + max(per) + 1)
+        slots = [runner.alloc() for _ in range(R)]
+        runner.forward(slots, [torch.randint(0, vocab, (context,)) for _ in slots])
+        times = []
+        for i in range(warmup + repeats):
+            toks = [torch.randint(0, vocab, (n,)) for n in per]
+            if str(runner.device).startswith("cuda"):
+                torch.cuda.synchronize(runner.device)
+            t0 = time.perf_counter()
+            runner.forward(slots, toks)
+            if str(runner.device).startswith("cuda"):
+                torch.cuda.synchronize(runner.device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            for s in slots:
+                runner.truncate(s, context)
+        out.append(1.0 / float(np.median(times)))
+    return SPSTable(list(batches), out, hardware_info(next(target_model.parameters()).device))

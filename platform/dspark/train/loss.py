@@ -1,0 +1,107 @@
+"""Drafter losses, per slot k = 0..gamma-1 over a contiguous valid prefix.
+
+    DSpark:  L = 0.1·CE + 0.9·L1 + 1.0·BCE,  slot weight w_k = exp(-k/4)
+             CE  = -log p_d(x*)                     x* = the target's own next token
+             L1  = ||p_d - p_t||_1  (= 2·TV; 1 - TV is exactly the acceptance probability)
+             BCE = BCE(c_k, c*_k),  c*_k = 1 - ½||p_d - p_t||_1  (detached, fp32, T=1)
+    DFlash:  CE only (same slot weights)
+    EAGLE-3: soft CE  -Σ_v p_t(v) log p_d(v),  step weight 0.8^k
+
+p_t comes from the cached final-norm hidden state through the frozen lm_head, ONLY at the sampled
+label positions (never full-sequence logits). Losses are returned as a weighted SUM plus the weight
+total, so a distributed loop can normalise by the all-reduced total.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dspark.train.anchors import sample_anchors, slot_labels
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    ce: float = 0.1
+    tv: float = 0.9
+    conf: float = 1.0
+    slot_decay: float = 4.0  # w_k = exp(-k / slot_decay)
+    eagle_step: float = 0.8  # EAGLE-3: w_k = 0.8^k
+    dist: str = "l1"  # DSpark's distribution term: "l1" (the paper) or "kl" (KL(p_t || p_d), for ablations)
+
+    @classmethod
+    def from_config(cls, tc) -> "LossWeights":
+        return cls(dist=tc.dist_loss)
+
+
+def slot_weights(kind: str, gamma: int, lw: LossWeights, device) -> torch.Tensor:
+    k = torch.arange(gamma, device=device, dtype=torch.float32)
+    return lw.eagle_step ** k if kind == "eagle3" else torch.exp(-k / lw.slot_decay)
+
+
+def drafter_loss(drafter, batch: dict, gamma: int, n_anchors: int, lw: LossWeights = LossWeights(),
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """batch: decoded cache rows (input_ids, loss_mask, valid, features, last_hidden).
+    Returns (weighted loss sum, weight sum, detached per-slot statistics)."""
+    kind = drafter.c.kind
+    ids, lmask, valid = batch["input_ids"], batch["loss_mask"], batch["valid"]
+    anchors, ok = sample_anchors(lmask, n_anchors, generator)
+    label_pos, labels, lvalid = slot_labels(ids, lmask, anchors, ok, gamma)  # (B, N, G)
+    feats = batch["features"].to(drafter.head.embed_weight.dtype)
+    out = drafter.train_outputs(feats, ids, valid, anchors, gamma)
+    sel = lvalid  # only these slots enter the loss and the statistics
+    logits = out["logits"][sel].float()  # (S, V)
+    B = ids.shape[0]
+    # target distribution for the token at p+k+1 comes from the hidden state at p+k
+    hid_pos = (label_pos - 1).view(B, -1)
+    h_t = batch["last_hidden"].gather(1, hid_pos[..., None].expand(-1, -1, batch["last_hidden"].shape[-1]))
+    h_t = h_t.view(*label_pos.shape, -1)[sel]  # (S, d)
+    with torch.no_grad():
+        p_t = torch.softmax(drafter.head.logits(h_t.to(drafter.head.lm_head_weight.dtype)).float(), -1)  # (S, V)
+    logp_d = torch.log_softmax(logits, -1)
+    p_d = logp_d.exp()
+    w = slot_weights(kind, gamma, lw, ids.device).expand_as(label_pos)[sel]  # (S,)
+    y = labels[sel]
+    ce = -logp_d.gather(1, y[:, None])[:, 0]  # (S,)
+    l1 = (p_d - p_t).abs().sum(-1)  # (S,)  = 2 TV
+    accept = (1 - 0.5 * l1).detach()  # c*_k: acceptance probability of this slot at T=1
+    if kind == "eagle3":
+        per = -(p_t * logp_d).sum(-1)
+    elif kind == "dflash":
+        per = ce
+    else:
+        bce = F.binary_cross_entropy_with_logits(out["conf_logit"][sel].float(), accept.clamp(0, 1), reduction="none")
+        dist = l1 if lw.dist == "l1" else (p_t * (torch.log(p_t.clamp_min(1e-12)) - logp_d)).sum(-1)
+        per = lw.ce * ce + lw.tv * dist + lw.conf * bce
+    loss_sum = (w * per).sum()
+    weight_sum = w.sum().detach()
+    slot = torch.arange(gamma, device=ids.device).expand_as(label_pos)[sel]
+    stats = {
+        "ce_sum": (w * ce).sum().detach(), "l1_sum": (w * l1).sum().detach(),
+        "accept_sum_k": torch.zeros(gamma, device=ids.device).index_add_(0, slot, accept),
+        "top1_sum_k": torch.zeros(gamma, device=ids.device).index_add_(0, slot, (logits.argmax(-1) == y).float()),
+        "count_k": torch.zeros(gamma, device=ids.device).index_add_(0, slot, torch.ones_like(accept)),
+        "tokens": valid.sum().detach(), "slots": sel.sum().detach(),
+    }
+    if kind == "dspark":
+        stats["bce_sum"] = (w * bce).sum().detach()
+    return loss_sum, weight_sum, stats
+
+
+def summarize(stats: dict, weight_sum: float) -> dict[str, float]:
+    """Per-slot acceptance estimate (1 - TV), expected accepted length tau = 1 + Σ_k Π_{i<=k} acc_i."""
+    count = stats["count_k"].clamp(min=1)
+    acc = (stats["accept_sum_k"] / count).tolist()
+    out = {"ce": float(stats["ce_sum"]) / weight_sum, "l1": float(stats["l1_sum"]) / weight_sum}
+    if "bce_sum" in stats:
+        out["bce"] = float(stats["bce_sum"]) / weight_sum
+    surv, tau = 1.0, 1.0
+    for k, a in enumerate(acc):
+        out[f"accept_{k + 1}"] = a
+        out[f"top1_{k + 1}"] = float(stats["top1_sum_k"][k] / count[k])
+        surv *= a
+        tau += surv
+    out["expected_tau"] = tau
+    return {k: (v if math.isfinite(v) else 0.0) for k, v in out.items()}

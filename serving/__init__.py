@@ -1,0 +1,1 @@
+"""Ray Serve application serving a target + drafter pair (see serving/app.py)."""

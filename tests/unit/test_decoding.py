@@ -1,0 +1,237 @@
+"""Exactness of speculative decoding on the built-in target.
+
+Greedy: speculative output equals plain target output token for token, for every drafter family.
+Sampling: the distribution of the first three generated tokens (top-k = 2, so 8 possible
+sequences whose probabilities are computed exactly with the target) matches the target under full
+verification, per-request truncation l_r < gamma, Algorithm 1 and the async scheduler; a chi-square
+test with enough samples to detect a 2% shift, whose power is shown by catching a broken verifier.
+"""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from dspark import target as targets
+from dspark.decoding import speculative as spec
+from dspark.decoding.runner import TargetRunner
+from dspark.decoding.sampling import SamplingParams, probs
+from dspark.decoding.speculative import Request, SpeculativeDecoder
+from dspark.models import DrafterConfig, build_drafter
+from dspark.models.drafter import Drafter, Proposal
+from dspark.scheduling import policies
+from dspark.scheduling.sps import SPSTable
+
+TOP_K = 2
+SP = SamplingParams(1.0, top_k=TOP_K)
+
+
+@pytest.fixture(scope="module")
+def tgt():
+    return targets.load("builtin")
+
+
+@pytest.fixture(scope="module")
+def prompt(tgt):
+    from dspark.corpus.tokenizer import encode_prompt
+
+    return encode_prompt(tgt.tokenizer, "x = ")
+
+
+def test_runner_matches_hf_forward_with_rollback(tgt, prompt):
+    r = TargetRunner(tgt.model, [1, 2, 3], max_slots=3, capacity=4)  # capacity grows on demand
+    seqs = [torch.tensor(prompt), torch.tensor(prompt[:5]), torch.tensor(prompt[2:] + prompt[:3])]
+    slots = [r.alloc() for _ in seqs]
+    out = r.forward(slots, [s[:-3] for s in seqs])
+    out2 = r.forward(slots, [s[-3:] for s in seqs])
+    for i, s in enumerate(seqs):
+        ref = tgt.model(s[None]).logits[0]
+        got = torch.cat([out.logits[i], out2.logits[i]])
+        assert (got - ref).abs().max() < 1e-4
+    r.truncate(slots[0], len(seqs[0]) - 2)  # roll back two tokens, then recompute them
+    again = r.forward([slots[0]], [seqs[0][-2:]])
+    assert (again.logits[0] - tgt.model(seqs[0][None]).logits[0, -2:]).abs().max() < 1e-4
+
+
+def _drafter(tgt, kind, gamma=5, markov="vanilla"):
+    torch.manual_seed(0)
+    c = DrafterConfig.from_target(tgt.config, kind, [1, 2, 3], tgt.tokenizer.mask_token_id, num_layers=1,
+                                  gamma=gamma, markov=markov if kind == "dspark" else "none", markov_rank=32)
+    return build_drafter(c, tgt.model).eval()
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+def test_greedy_speculative_equals_greedy_target(tgt, prompt, kind):
+    prompts = [prompt, prompt[:6], prompt[3:]]
+    plain = SpeculativeDecoder(tgt.model, None).run([Request(p, SamplingParams(0.0), 40) for p in prompts])
+    drafter = _drafter(tgt, kind)
+    for policy in (spec.full_length, lambda s, R, g: [2] * R):  # full blocks and truncated l_r < gamma
+        out = SpeculativeDecoder(tgt.model, drafter, gamma=5, policy=policy, max_slots=2).run(
+            [Request(p, SamplingParams(0.0), 40) for p in prompts])
+        assert [o.out for o in out] == [p.out for p in plain]
+
+
+class PerturbedTarget(Drafter):
+    """A test drafter close to the target (so drafts are often accepted AND often rejected): the
+    target's own logits, flattened and shifted by a fixed per-token bias, computed with its own
+    KV-cached runner; its confidence depends on the previously drafted token, like DSpark's Markov
+    confidence head (the dependency that makes a scheduler without early stop biased)."""
+
+    def __init__(self, model, gamma, max_slots=256):
+        super().__init__(DrafterConfig("dflash", 1, 1, 1, 1, 1, 1, 1.0, 1e-6, [], 0, gamma=gamma), None)
+        self.bos = model.config.bos_token_id
+        self.runner = TargetRunner(model, [], max_slots=max_slots, capacity=64)
+        g = torch.Generator().manual_seed(7)
+        self.bias = torch.randn(model.config.vocab_size, generator=g) * 0.4
+        self.conf = torch.randn(model.config.vocab_size, generator=g) * 2
+
+    @property
+    def has_confidence(self):
+        return True
+
+    def extend(self, states, feats, next_tokens):
+        slots, feeds = [], []
+        for s, t in zip(states, next_tokens):
+            if "slot" not in s.extra:  # first call: the prompt after its first token (BOS), then the anchor
+                s.extra["slot"] = self.runner.alloc()
+                s.extra["pending"] = [self.bos]
+            s.extra["pending"] += t.tolist()  # the anchor (last token) stays pending: propose feeds it
+            feed, s.extra["pending"] = s.extra["pending"][:-1], s.extra["pending"][-1:]
+            if feed:
+                slots.append(s.extra["slot"])
+                feeds.append(torch.tensor(feed))
+            s.length += len(t)
+        if slots:
+            self.runner.forward(slots, feeds)
+
+    def release(self, state):
+        self.runner.free(state.extra["slot"])
+
+    @torch.no_grad()
+    def propose(self, states, anchors, gamma, sample):
+        slots = [s.extra["slot"] for s in states]
+        base = [self.runner.lengths[x] for x in slots]
+        toks, qs, confs = [], [], []
+        prev = anchors
+        for k in range(gamma):
+            out = self.runner.forward(slots, [t.view(1) for t in prev])
+            tok, q = sample(torch.stack([l[-1] for l in out.logits]) / 1.3 + self.bias)
+            confs.append(self.conf[prev])
+            toks.append(tok)
+            qs.append(q)
+            prev = tok
+        for x, n in zip(slots, base):
+            self.runner.truncate(x, n)  # forget the drafts: only committed tokens stay cached
+        return Proposal(torch.stack(toks, 1), torch.stack(qs, 1), torch.stack(confs, 1))
+
+
+def _exact_law(tgt, prompt):
+    """P(t1, t2, t3) under top-k sampling, enumerated with the target."""
+    law = {}
+    p1 = probs(tgt.model(torch.tensor([prompt])).logits[0, -1], SP)
+    for a in p1.nonzero()[:, 0].tolist():
+        p2 = probs(tgt.model(torch.tensor([prompt + [a]])).logits[0, -1], SP)
+        for b in p2.nonzero()[:, 0].tolist():
+            p3 = probs(tgt.model(torch.tensor([prompt + [a, b]])).logits[0, -1], SP)
+            for c in p3.nonzero()[:, 0].tolist():
+                law[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    return law
+
+
+def _chi2(law, samples):
+    """Chi-square over cells with expected >= 5 (the rest merged); returns (p-value, power vs a 2% shift)."""
+    n = len(samples)
+    counts = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    outside = sum(c for seq, c in counts.items() if seq not in law)
+    cells = sorted(law, key=law.get, reverse=True)
+    big = [c for c in cells if law[c] * n >= 5]
+    small = [c for c in cells if c not in big]
+    exp = np.array([law[c] for c in big] + ([sum(law[c] for c in small)] if small else [])) * n
+    obs = np.array([counts.get(c, 0) for c in big] + ([sum(counts.get(c, 0) for c in small)] if small else []))
+    exp = exp * obs.sum() / exp.sum()  # exact float agreement of the totals
+    p_value = stats.chisquare(obs, exp).pvalue if outside == 0 else 0.0  # impossible sequences: rejected outright
+    # power against moving 2% of the probability mass between the two most likely sequences
+    shift = np.zeros_like(exp)
+    shift[0], shift[1] = -0.02 * n, 0.02 * n
+    lam = float((shift ** 2 / exp).sum())
+    df = len(exp) - 1
+    power = float(stats.ncx2.sf(stats.chi2.isf(1e-3, df), df, lam))
+    return p_value, power
+
+
+def _sample(tgt, prompt, drafter, policy, n, gamma=4):
+    dec = SpeculativeDecoder(tgt.model, drafter, gamma=gamma, policy=policy, max_slots=256, capacity=64)
+    reqs = dec.run([Request(prompt, SP, 3, seed) for seed in range(n)])
+    return [tuple(r.out[:3]) for r in reqs], reqs
+
+
+# knee near this test's batch (256 requests x up to 5 tokens): the schedulers keep some drafts and drop others
+B = np.arange(1, 4097)
+KNEE = SPSTable(B.tolist(), (100.0 / (1 + (B / 600.0) ** 1.5) ** (2 / 3)).tolist())
+
+
+def _greedy_policy(s, R, g):
+    return policies.greedy_prefix(s.numpy(), KNEE).tolist()
+
+
+def _async_policy():
+    from dspark.decoding.engine import make_policy
+
+    return make_policy("async", KNEE, static_len=2)
+
+
+@pytest.mark.parametrize("name, policy", [
+    ("full", spec.full_length),
+    ("random truncation", lambda s, R, g: np.random.default_rng(R).integers(0, g + 1, R).tolist()),
+    ("algorithm 1", _greedy_policy),
+    ("async global", "async"),
+])
+def test_sampling_matches_target_distribution(tgt, prompt, name, policy):
+    law = _exact_law(tgt, prompt)
+    n = 10_000
+    pol = _async_policy() if policy == "async" else policy
+    samples, reqs = _sample(tgt, prompt, PerturbedTarget(tgt.model, 4), pol, n)
+    p_value, power = _chi2(law, samples)
+    rounds = [r for q in reqs for r in q.rounds]
+    accepted, verified = sum(r.accepted for r in rounds), sum(r.verified for r in rounds)
+    truncated = sum(0 < r.verified < 4 for r in rounds) / len(rounds)
+    print(f"[exactness] {name}: n={n}, chi-square p={p_value:.3f}, power vs a 2% shift {power:.3f}, "
+          f"mean verified {verified / len(rounds):.2f} of 4, truncated rounds {truncated:.2f}, "
+          f"draft acceptance {accepted / max(verified, 1):.2f}")
+    assert power >= 0.9, power  # this many samples would catch a 2% shift
+    assert 0.2 < accepted / max(verified, 1) < 0.95  # both the accept and the reject paths are exercised
+    assert verified / len(rounds) > 0.5  # speculation really happened (not plain target sampling)
+    if name != "full":
+        assert truncated > 0.1  # and l_r < gamma truncations were part of it
+    assert p_value > 1e-3, (name, p_value, n)
+
+
+def test_chi_square_catches_a_broken_verifier(tgt, prompt, monkeypatch):
+    """Accepting every draft returns the DRAFT distribution: the same test must reject it."""
+    law = _exact_law(tgt, prompt)
+
+    def accept_all(drafts, q, target_logits, sp, gen):
+        l = drafts.shape[0]
+        return l, int(torch.multinomial(probs(target_logits[l], sp), 1, generator=gen))
+
+    monkeypatch.setattr(spec, "verify_one", accept_all)
+    samples, _ = _sample(tgt, prompt, PerturbedTarget(tgt.model, 4), spec.full_length, 10_000)
+    p_value, _ = _chi2(law, [s for s in samples if s in law])  # the test sees it even inside the support
+    outside = sum(s not in law for s in samples)
+    print(f"[exactness] broken verifier (accepts every draft): n=10000, {outside} samples outside the target's "
+          f"support, chi-square p={p_value:.2e} on the rest")
+    assert outside > 0 and p_value < 1e-6
+
+
+def test_drafter_failure_falls_back_to_exact_target_decoding(tgt, prompt):
+    class Broken(PerturbedTarget):
+        def propose(self, *a, **k):
+            raise RuntimeError("drafter crashed")
+
+    plain = SpeculativeDecoder(tgt.model, None).run([Request(prompt, SamplingParams(0.0), 20)])
+    dec = SpeculativeDecoder(tgt.model, Broken(tgt.model, 4), gamma=4)
+    out = dec.run([Request(prompt, SamplingParams(0.0), 20)])
+    assert out[0].out == plain[0].out and dec.drafter_error == "RuntimeError: drafter crashed"

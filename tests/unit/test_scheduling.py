@@ -1,0 +1,103 @@
+"""Scheduling policies as pure functions: invariants on random CPU arrays, the issue's known vector,
+and the paper's Appendix A counterexample (the early stop is what keeps Algorithm 1 lossless)."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from dspark.decoding.sampling import SamplingParams
+from dspark.decoding.verify import verify_one
+from dspark.scheduling.policies import (admit_top_k, async_global, capacity, greedy_prefix, static_threshold,
+                                        survival, throughput)
+from dspark.scheduling.sps import SPSTable
+
+SMOOTH, CLIFF = SPSTable.synthetic("smooth", 512), SPSTable.synthetic("cliff", 512)
+
+
+def test_known_vector_stops_at_one():
+    sps = SPSTable([1, 2, 3, 4], [1.0, 0.95, 0.52, 0.48])
+    a = survival([[0.8, 0.7, 0.3]])
+    thetas = [throughput(a, [l], sps) for l in range(3)]
+    assert np.allclose(thetas, [1.00, 1.71, 1.2272])
+    assert greedy_prefix(a, sps).tolist() == [1]
+    assert throughput(a, [3], sps) < thetas[1]  # verifying all three drafts would lower Theta
+
+
+conf = st.integers(1, 12).flatmap(lambda R: st.integers(1, 8).flatmap(
+    lambda G: st.lists(st.lists(st.floats(0.0, 1.0), min_size=G, max_size=G), min_size=R, max_size=R)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(conf, st.sampled_from([SMOOTH, CLIFF]))
+def test_invariants(c, sps):
+    a = survival(np.array(c))
+    R, G = a.shape
+    for lengths in (greedy_prefix(a, sps), greedy_prefix(a, sps, early_stop=False), async_global(a, a, sps)):
+        assert lengths.shape == (R,) and ((0 <= lengths) & (lengths <= G)).all()
+        assert throughput(a, lengths, sps) >= throughput(a, np.zeros(R, int), sps) - 1e-12
+        # determinism: same input, same output
+    assert (greedy_prefix(a, sps) == greedy_prefix(a.copy(), sps)).all()
+    # the unconstrained search finds at least what the early-stopping one finds
+    assert throughput(a, greedy_prefix(a, sps, early_stop=False), sps) >= throughput(a, greedy_prefix(a, sps), sps) - 1e-12
+    for k in range(R * G + 2):  # top-K admission: exactly K tokens (budget) and a prefix per request
+        lengths = admit_top_k(a, k)
+        assert lengths.sum() == min(k, R * G)
+        admitted = a[np.arange(G)[None, :] < lengths[:, None]]
+        rejected = a[np.arange(G)[None, :] >= lengths[:, None]]
+        if admitted.size and rejected.size:
+            assert admitted.min() >= rejected.max()
+    assert capacity(a, sps) == greedy_prefix(a, sps, early_stop=False).sum()
+    thr = static_threshold(a, 0.5)
+    assert all((a[r, :thr[r]] >= 0.5).all() and (thr[r] == G or a[r, thr[r]] < 0.5) for r in range(R))
+
+
+def test_ties_break_deterministically_toward_smaller_positions():
+    a = np.array([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]])
+    assert admit_top_k(a, 3).tolist() == [2, 1]  # (0,0) (1,0) (0,1) in that order
+    assert admit_top_k(a, 1).tolist() == [1, 0]
+
+
+def test_budget_shrinks_as_load_grows():
+    rng = np.random.default_rng(0)
+    per_req = []
+    for R in (1, 4, 16, 64, 256):
+        a = survival(rng.uniform(0.6, 0.95, size=(R, 7)))
+        per_req.append(greedy_prefix(a, SMOOTH).mean())
+    assert per_req[0] >= 4 and per_req[-1] < per_req[0] and all(x >= y for x, y in zip(per_req, per_req[1:]))
+
+
+def _appendix_a_output(early_stop: bool, n: int, seed: int = 0) -> np.ndarray:
+    """R=1, gamma=2, SPS(1,2,3) = (1, 0.5, 0.45), p_t = (0.7, 0.3), q = (0.5, 0.5), c_1 = 0.8,
+    c_2 = 0.9 if x_1 = A else 0. Returns the first emitted token of n rounds."""
+    sps = SPSTable([1, 2, 3], [1.0, 0.5, 0.45])
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.tensor([[0.5, 0.5], [0.5, 0.5]])
+    target_logits = torch.log(torch.tensor([[0.7, 0.3], [0.5, 0.5], [0.5, 0.5]]))
+    sp = SamplingParams(1.0)
+    out = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        x = torch.multinomial(q, 1, replacement=True, generator=gen)[:, 0]  # x_1, x_2 ~ q
+        c2 = 0.9 if int(x[0]) == 0 else 0.0
+        l = int(greedy_prefix(np.array([[0.8, 0.8 * c2]]), sps, early_stop=early_stop)[0])
+        if l == 0:
+            out[i] = int(torch.multinomial(torch.tensor([0.7, 0.3]), 1, generator=gen))
+        else:
+            n_acc, y = verify_one(x[:l], q[:l], target_logits[: l + 1], sp, gen)
+            out[i] = int(x[0]) if n_acc >= 1 else y
+    return out
+
+
+@pytest.mark.parametrize("early_stop, expected", [(True, 0.70), (False, 0.85)])
+def test_appendix_a_counterexample(early_stop, expected):
+    n = 20_000
+    first = _appendix_a_output(early_stop, n)
+    p_a = float((first == 0).mean())
+    se = np.sqrt(expected * (1 - expected) / n)
+    assert abs(p_a - expected) < 4 * se, (p_a, expected)
+    p_value = stats.binomtest(int((first == 0).sum()), n, 0.70).pvalue
+    if early_stop:
+        assert p_value > 1e-3  # consistent with the target's P(A) = 0.7
+    else:
+        assert p_value < 1e-12  # the test has the power to see the retrospective search's bias
