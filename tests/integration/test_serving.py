@@ -41,7 +41,7 @@ def server(tgt, tmp_path_factory):
     save_drafter(build_drafter(c, tgt.model), path)
     port = free_port()
     overrides = [f"serve.drafter_uri={path}", f"serve.port={port}", "serve.gamma=4", "serve.max_batch=4",
-                 "serve.max_queue=4", f"serve.api_key={KEY}", "serve.sps_batches=[1,2,4,8,16]", "ray.num_cpus=2",
+                 "serve.max_queue=8", f"serve.api_key={KEY}", "serve.sps_batches=[1,2,4,8,16]", "ray.num_cpus=2",
                  "serve.calibration_min_rounds=20", "serve.calibration_refit_every=20"]
     from dspark.config import load_config
 

@@ -62,10 +62,10 @@ def test_queue_bound_cancel_and_stop(tgt, drafter):
         with pytest.raises(ValueError, match="context limit"):
             eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 10_000, 0)
         long = eng.submit(ids_of(tgt, "a = "), SamplingParams(1.0), 1500, 0)
+        assert long.events.get(timeout=60)[0] == "text"  # it holds the only slot now
         queued = [eng.submit(ids_of(tgt, "b = "), SamplingParams(1.0), 8, i) for i in range(2)]
         with pytest.raises(Overloaded):
             eng.submit(ids_of(tgt, "c = "), SamplingParams(1.0), 8, 0)
-        assert long.events.get(timeout=60)[0] == "text"
         eng.cancel(long)  # the client went away: its slot goes to the queue
         for s in queued:
             assert collect(s)[1][0] == "done"

@@ -84,6 +84,7 @@ def train_loop_per_worker(config: dict) -> None:
     import deepspeed
     import ray.train
     import torch.distributed as dist
+    from ray.train import CheckpointConsistencyMode
 
     from dspark.cache.read import decode_batch
     from dspark.cache.format import Manifest
@@ -121,7 +122,8 @@ def train_loop_per_worker(config: dict) -> None:
                                                            **kwargs)
     if scheduler is None:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, tc.warmup_frac))
-    state = {"epoch": 0, "micro_in_epoch": 0, "step": 0}
+    # "pending": the metrics of the steps since the previous checkpoint, saved inside each checkpoint
+    state = {"epoch": 0, "micro_in_epoch": 0, "step": 0, "pending": []}
     ckpt = ray.train.get_checkpoint()
     if ckpt:
         with ckpt.as_directory() as d:
@@ -130,6 +132,9 @@ def train_loop_per_worker(config: dict) -> None:
     tracker = _RankZeroTracker(cfg, config["mlflow_run_id"]) if rank == 0 else None
     if tracker and state["step"] == 0:
         tracker.log_params(cfg.flat(), {"world_size": world, "total_steps": total, "cache.rows": manifest.rows})
+    if tracker:  # a crash between commit and MLflow write: the checkpoint still holds those steps
+        tracker.log_new(state.get("pending", []))
+    state["pending"] = []
 
     gas = conf["gradient_accumulation_steps"]
     shard = ray.train.get_dataset_shard("train")
@@ -171,12 +176,15 @@ def train_loop_per_worker(config: dict) -> None:
                             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                             "step": state["step"], "epoch": state["epoch"]})
             acc, wait, t_step = None, 0.0, time.perf_counter()
-            if tracker:
-                tracker.log(metrics, state["step"])
+            state["pending"].append(metrics)
             if state["step"] % tc.checkpoint_every == 0 or state["step"] == total:
                 _report_with_checkpoint(engine, state, metrics)
-                if tracker:  # metrics are committed with their checkpoint: a restart neither repeats nor skips steps
-                    tracker.flush()
+                if tracker:
+                    # Steps reach MLflow only once their checkpoint is committed (a restart resumes
+                    # from it: no step is logged twice) and exactly once (log_new skips logged steps).
+                    ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
+                    tracker.log_new(state["pending"])
+                state["pending"] = []
         if state["step"] < total:
             state["epoch"] += 1
             state["micro_in_epoch"] = 0
@@ -248,7 +256,6 @@ class _RankZeroTracker:
             import mlflow
 
             self.client = mlflow.MlflowClient(cfg.mlflow.tracking_uri)
-        self.buf: list = []
 
     def log_params(self, params: dict, extra: dict) -> None:
         from mlflow.entities import Param
@@ -258,17 +265,19 @@ class _RankZeroTracker:
             for i in range(0, len(items), 100):
                 self.client.log_batch(self.run_id, params=items[i:i + 100])
 
-    def log(self, metrics: dict, step: int) -> None:
+    def log_new(self, metrics: list[dict]) -> None:
+        """Log the steps MLflow does not have yet (each dict carries its "step")."""
         from mlflow.entities import Metric
 
-        if self.client:
-            now = int(time.time() * 1000)
-            self.buf += [Metric(f"train.{k}", float(v), now, step) for k, v in metrics.items()]
-
-    def flush(self) -> None:
-        for i in range(0, len(self.buf), 900) if self.client else ():
-            self.client.log_batch(self.run_id, metrics=self.buf[i:i + 900])
-        self.buf = []
+        if not self.client or not metrics:
+            return
+        hist = self.client.get_metric_history(self.run_id, "train.loss")
+        done = max((m.step for m in hist), default=0)
+        now = int(time.time() * 1000)
+        batch = [Metric(f"train.{k}", float(v), now, int(m["step"])) for m in metrics if m["step"] > done
+                 for k, v in m.items()]
+        for i in range(0, len(batch), 900):
+            self.client.log_batch(self.run_id, metrics=batch[i:i + 900])
 
     @staticmethod
     def artifacts(cfg_json: str, run_id: str, local_dir: str) -> None:
