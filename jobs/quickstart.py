@@ -142,8 +142,8 @@ STAGES = {"target": stage_target, "cache": stage_cache, "train": stage_train, "e
 # Embedded defaults of the demo: small enough to finish in minutes on 2 CPU cores (--set overrides them).
 DEMO_DEFAULTS = ["cache.max_examples=256", "cache.shard_rows=32", "cache.max_new_tokens=96", "cache.num_actors=2",
                  "ray.num_cpus=2", "train.run_name=quickstart", "train.num_workers=2", "train.zero_stage=2",
-                 "train.max_steps=40", "train.global_batch=8", "train.micro_batch=2", "train.lr=2e-3",
-                 "train.checkpoint_every=20", "eval.prompts_per_domain=6", "eval.max_new_tokens=48",
+                 "train.max_steps=200", "train.global_batch=8", "train.micro_batch=2", "train.lr=2e-3",
+                 "train.checkpoint_every=50", "eval.prompts_per_domain=6", "eval.max_new_tokens=48",
                  "serve.sps_batches=[1,2,4,8,16]"]
 
 

@@ -86,13 +86,14 @@ class Tracker:
 
 @contextmanager
 def run(cfg: Config, run_name: str, run_id: str | None = None, tags: dict | None = None) -> Iterator[Tracker]:
-    """An MLflow run (resumed when run_id is given), or a no-op tracker when MLflow is disabled."""
+    """An MLflow run (resumed when run_id is given), or a no-op tracker when MLflow is disabled.
+    Inside another run (a pipeline such as the quickstart) it becomes that run's child."""
     if not cfg.mlflow.enabled:
         yield Tracker(None)
         return
     mlflow, exp_id = _prepare(cfg)
     with mlflow.start_run(run_id=run_id, experiment_id=None if run_id else exp_id,
-                          run_name=None if run_id else run_name, tags=tags):
+                          run_name=None if run_id else run_name, tags=tags, nested=mlflow.active_run() is not None):
         tracker = Tracker(mlflow)
         try:
             yield tracker

@@ -205,7 +205,8 @@ def build_cache(cfg: Config, tracker=None, log_fn=print) -> Manifest:
 
         quiet_ray_data()
         ds = ray.data.from_items(items, override_num_blocks=len(items))
-        ds = ds.map_batches(ShardBuilder, batch_size=1, concurrency=cc.num_actors, num_gpus=cc.num_gpus_per_actor or None,
+        ds = ds.map_batches(ShardBuilder, batch_size=1, compute=ray.data.ActorPoolStrategy(size=cc.num_actors),
+                            num_gpus=cc.num_gpus_per_actor or None,
                             num_cpus=1 if not cc.num_gpus_per_actor else None,
                             fn_constructor_kwargs={"cfg_json": cfg.model_dump_json(), "cache_uri": uri, "layers": layers,
                                                    "storage": storage})
