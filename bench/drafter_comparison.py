@@ -91,6 +91,7 @@ def main():
     from dspark import evaluation
     from dspark import target as targets
     from dspark.cache.read import open_cache
+    from dspark.calibration import sts
     from dspark.config import load_config
     from dspark.corpus.sources import Corpus
     from dspark.models import load_drafter
@@ -123,6 +124,8 @@ def main():
     for gamma, ds in sorted(groups.items()):
         ecfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"gamma": gamma})})
         res = evaluation.evaluate(ecfg, tgt, ds, corpus, out / f"gamma{gamma}")
+        for name, temps in res["sts_temperatures"].items():  # served and simulated with these
+            sts.save(out / name / "calibration.json", temps, {"fitted_on": "validation split, T=1", "gamma": gamma})
         summary["evals"][gamma] = [r.__dict__ for r in res["results"]]
         print((out / f"gamma{gamma}" / "results.md").read_text())
     if args.gammas:
