@@ -97,6 +97,8 @@ def test_appendix_a_counterexample(early_stop, expected):
     se = np.sqrt(expected * (1 - expected) / n)
     assert abs(p_a - expected) < 4 * se, (p_a, expected)
     p_value = stats.binomtest(int((first == 0).sum()), n, 0.70).pvalue
+    print(f"[appendix A] early stop {early_stop}: P(A) = {p_a:.4f} ± {1.96 * np.sqrt(p_a * (1 - p_a) / n):.4f} "
+          f"(95% CI, n={n}); target P(A) = 0.70, binomial p = {p_value:.2e}")
     if early_stop:
         assert p_value > 1e-3  # consistent with the target's P(A) = 0.7
     else:
