@@ -80,8 +80,8 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
+    port = free_port()  # Serve's HTTP proxy keeps the port it started with: one port for every mode
     for mode, extra in modes.items():
-        port = free_port()
         ov = [f"serve.drafter_uri={args.drafter}", f"serve.port={port}", f"serve.max_batch={max(conc)}",
               f"serve.max_queue={2 * max(conc)}", "serve.calibration=false", "ray.num_cpus=2", *extra]
         url = run_local(load_config(overrides=ov))
