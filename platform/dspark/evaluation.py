@@ -153,7 +153,8 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
                 if name in temps_by:
                     obs = sts.Observations.from_rounds([x for q in reqs for x in q.rounds])
                     r.calibration = [{"k": a["k"], "n": a["n"], "ece_raw": a["ece"], "auroc": a["auroc"],
-                                      "brier_raw": a["brier"], "ece_sts": b["ece"], "brier_sts": b["brier"]}
+                                      "brier_raw": a["brier"], "ece_sts": b["ece"], "brier_sts": b["brier"],
+                                      "ece_floor_sts": b["ece_floor"]}
                                      for a, b in zip(sts.report(obs, [1.0] * ec.gamma), sts.report(obs, temps_by[name]))]
                     if t == 1.0:
                         obs_by[f"{name} ({domain})"] = obs

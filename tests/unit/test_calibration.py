@@ -1,7 +1,7 @@
 import numpy as np
 
 from dspark.calibration import sts
-from dspark.calibration.metrics import auroc, brier, ece, reliability
+from dspark.calibration.metrics import auroc, brier, ece, ece_floor, reliability
 
 
 def test_metrics_on_known_values():
@@ -13,6 +13,16 @@ def test_metrics_on_known_values():
     assert abs(brier(pred, out) - 0.01) < 1e-12
     assert [c for _, _, c in reliability(pred, out)] == [2, 2]
     assert ece(pred, out, weights=np.array([1, 1, 0, 0])) == ece(pred[:2], out[:2])
+
+
+def test_ece_floor_is_what_perfect_calibration_shows_at_this_sample_size():
+    rng = np.random.default_rng(3)
+    small, large = rng.uniform(0, 1, 500), rng.uniform(0, 1, 50_000)
+    for pred in (small, large):
+        calibrated = ece(pred, rng.random(pred.size) < pred)
+        assert 0.3 < calibrated / ece_floor(pred) < 2.5  # a calibrated predictor sits at the floor
+    assert ece_floor(small) > 3 * ece_floor(large)  # ~ 1/sqrt(n)
+    assert ece(small, rng.random(small.size) < small ** 2) > 2 * ece_floor(small)  # miscalibration stands out
 
 
 def _synthetic(n=20_000, gamma=4, true_t=(2.0, 0.5, 1.0, 3.0), seed=0):

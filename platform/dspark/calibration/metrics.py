@@ -18,6 +18,16 @@ def ece(pred: np.ndarray, outcome: np.ndarray, bins: int = 20, weights: np.ndarr
     return float(np.abs(gap[wb > 0]).sum() / w.sum())
 
 
+def ece_floor(pred: np.ndarray, bins: int = 20, draws: int = 200, seed: int = 0) -> float:
+    """The ECE a PERFECTLY calibrated predictor would show on this many rounds: the mean ECE when the
+    outcomes are drawn from the predictions themselves. Measured ECE near it is sampling noise."""
+    pred = np.asarray(pred, float)
+    if pred.size == 0:
+        return float("nan")
+    rng = np.random.default_rng(seed)
+    return float(np.mean([ece(pred, rng.random(pred.size) < pred, bins) for _ in range(draws)]))
+
+
 def auroc(pred: np.ndarray, outcome: np.ndarray) -> float:
     """Probability that a random positive scores above a random negative (ties count half):
     the Mann-Whitney U statistic over average ranks."""

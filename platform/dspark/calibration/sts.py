@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark.calibration.metrics import auroc, brier, ece
+from dspark.calibration.metrics import auroc, brier, ece, ece_floor
 
 GRID = np.geomspace(0.25, 4.0, 49)
 
@@ -69,6 +69,7 @@ def report(obs: Observations, temps, bins: int = 20) -> list[dict]:
     for k in range(1, obs.logits.shape[1] + 1):
         sel, y, w = obs.at(k)
         out.append({"k": k, "n": int(sel.sum()), "ece": ece(a[sel, k - 1], y, bins, w),
+                    "ece_floor": ece_floor(a[sel, k - 1], bins),
                     "auroc": auroc(a[sel, k - 1], y), "brier": brier(a[sel, k - 1], y),
                     "predicted": float(a[sel, k - 1].mean()) if sel.any() else float("nan"),
                     "observed": float(y.mean()) if sel.any() else float("nan")})
