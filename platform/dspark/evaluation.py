@@ -155,7 +155,7 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
                     r.calibration = [{"k": a["k"], "n": a["n"], "ece_raw": a["ece"], "auroc": a["auroc"],
                                       "brier_raw": a["brier"], "ece_sts": b["ece"], "brier_sts": b["brier"],
                                       "ece_floor_sts": b["ece_floor"]}
-                                     for a, b in zip(sts.report(obs, [1.0] * ec.gamma), sts.report(obs, temps_by[name]))]
+                                     for a, b in zip(sts.report(obs, [1.0] * ec.gamma), sts.report(obs, temps_by[name], floor=True))]
                     if t == 1.0:
                         obs_by[f"{name} ({domain})"] = obs
                 results.append(r)

@@ -62,14 +62,15 @@ def fit(obs: Observations, grid: np.ndarray = GRID, bins: int = 20) -> list[floa
     return temps
 
 
-def report(obs: Observations, temps, bins: int = 20) -> list[dict]:
-    """Per position k: ECE, AUROC, Brier of a_k and the number of rounds it is measured on."""
+def report(obs: Observations, temps, bins: int = 20, floor: bool = False) -> list[dict]:
+    """Per position k: ECE, AUROC, Brier of a_k and the number of rounds it is measured on; with
+    floor, also the ECE a perfectly calibrated predictor would show on those rounds (simulated)."""
     a = survival(obs.logits, temps)
     out = []
     for k in range(1, obs.logits.shape[1] + 1):
         sel, y, w = obs.at(k)
         out.append({"k": k, "n": int(sel.sum()), "ece": ece(a[sel, k - 1], y, bins, w),
-                    "ece_floor": ece_floor(a[sel, k - 1], bins),
+                    "ece_floor": ece_floor(a[sel, k - 1], bins) if floor else None,
                     "auroc": auroc(a[sel, k - 1], y), "brier": brier(a[sel, k - 1], y),
                     "predicted": float(a[sel, k - 1].mean()) if sel.any() else float("nan"),
                     "observed": float(y.mean()) if sel.any() else float("nan")})
