@@ -327,7 +327,15 @@ def run_local(cfg) -> str:
     """Start (or replace) the application on the connected (or a new local) Ray; returns its base URL."""
     from dspark.cluster import init_ray
 
+    from ray.serve.context import _get_global_client
+
+    from dspark.errors import UserError
+
     init_ray(cfg)
     serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+    running = _get_global_client().http_config.port  # a running Serve keeps its port, ignoring ours
+    if running != cfg.serve.port:
+        raise UserError(f"serve.port={cfg.serve.port}: Serve already listens on port {running} in this Ray "
+                        f"cluster; use serve.port={running} or shut that Serve down first")
     serve.run(build({"config_json": cfg.model_dump_json()}), name="dspark", route_prefix="/")
     return f"http://{cfg.serve.host}:{cfg.serve.port}"

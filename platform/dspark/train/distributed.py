@@ -256,6 +256,7 @@ class _RankZeroTracker:
             import mlflow
 
             self.client = mlflow.MlflowClient(cfg.mlflow.tracking_uri)
+        self.logged_step: int | None = None  # the last step MLflow has (read once, on the first write)
 
     def log_params(self, params: dict, extra: dict) -> None:
         from mlflow.entities import Param
@@ -271,13 +272,14 @@ class _RankZeroTracker:
 
         if not self.client or not metrics:
             return
-        hist = self.client.get_metric_history(self.run_id, "train.loss")
-        done = max((m.step for m in hist), default=0)
+        if self.logged_step is None:  # a (re)started worker: what did earlier attempts log?
+            self.logged_step = max((m.step for m in self.client.get_metric_history(self.run_id, "train.loss")), default=0)
         now = int(time.time() * 1000)
-        batch = [Metric(f"train.{k}", float(v), now, int(m["step"])) for m in metrics if m["step"] > done
+        batch = [Metric(f"train.{k}", float(v), now, int(m["step"])) for m in metrics if m["step"] > self.logged_step
                  for k, v in m.items()]
         for i in range(0, len(batch), 900):
             self.client.log_batch(self.run_id, metrics=batch[i:i + 900])
+        self.logged_step = max(self.logged_step, max(int(m["step"]) for m in metrics))
 
     @staticmethod
     def artifacts(cfg_json: str, run_id: str, local_dir: str) -> None:
