@@ -4,10 +4,10 @@ calibration error, an engine without it stays miscalibrated.
 
     python bench/calibration_drift.py --drafter results/comparison/dspark
 
-Both engines start from STS temperatures fitted on CODE validation rounds, then serve the same
+Both engines start from an STS calibration fitted on CODE validation rounds, then serve the same
 request stream: --before code requests, then --after prose requests (T=1, batches of --batch
 concurrent requests). Live error = mean over positions of |mean predicted prefix survival (with the
-temperatures in force) - observed survival| over the last --window rounds. Prints the error after
+calibration in force) - observed survival| over the last --window rounds. Prints the error after
 each batch and how many prose requests it took to return to the pre-shift level.
 """
 from __future__ import annotations
@@ -28,6 +28,8 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--window", type=int, default=300)
+    p.add_argument("--temperatures-only", action="store_true", help="the paper's STS: no per-position offsets")
+    p.add_argument("--fit-prompts", type=int, default=96, help="code validation prompts the starting calibration is fitted on")
     p.add_argument("--out", default="results/calibration_drift")
     args = p.parse_args()
 
@@ -49,16 +51,18 @@ def main():
     gamma = drafter.c.gamma
     corpus = Corpus.load(cfg.corpus)
     eos = tgt.tokenizer.eos_token_id
-    val = evaluation.prompts_for(cfg, corpus, "code", "validation", 24, tgt.tokenizer)
-    reqs = evaluation.decode(tgt.model, drafter, val, SamplingParams(1.0), gamma, args.max_new, eos, seed=99)
-    code_temps = sts.fit(sts.Observations.from_rounds([r for q in reqs for r in q.rounds]))
-    print(f"[drift] STS temperatures fitted on code validation rounds: {[round(t, 2) for t in code_temps]}")
+    val = evaluation.prompts_for(cfg, corpus, "code", "validation", args.fit_prompts, tgt.tokenizer)
+    fit_obs = evaluation.calibration_rounds(tgt.model, drafter, val, gamma, args.max_new, eos, 99, args.batch)
+    code_cal = sts.fit(fit_obs, bias=not args.temperatures_only)
+    print(f"[drift] STS fitted on {len(fit_obs.logits)} code validation rounds: temperatures "
+          f"{[round(t, 2) for t in code_cal.temps]}, offsets {[round(b, 2) for b in code_cal.biases]}")
     stream = ([("code", p) for p in evaluation.prompts_for(cfg, corpus, "code", "heldout", args.before, tgt.tokenizer)]
               + [("prose", p) for p in evaluation.prompts_for(cfg, corpus, "prose", "heldout", args.after, tgt.tokenizer)])
     engines = {}
     for name, refit in (("with calibration actor", 100), ("without", 10 ** 12)):
-        cal = OnlineCalibrator(gamma, code_temps, half_life=1500, min_rounds=200, refit_every=refit, window=args.window)
-        dec = SpeculativeDecoder(tgt.model, drafter, gamma, max_slots=args.batch, temperatures=list(code_temps))
+        cal = OnlineCalibrator(gamma, code_cal, half_life=1500, min_rounds=200, refit_every=refit, window=args.window,
+                               bias=not args.temperatures_only)
+        dec = SpeculativeDecoder(tgt.model, drafter, gamma, max_slots=args.batch, calibration=code_cal)
         engines[name] = (cal, dec)
     curves = {name: [] for name in engines}
     for i in range(0, len(stream), args.batch):
@@ -67,9 +71,9 @@ def main():
             out = dec.run([Request(p, SamplingParams(1.0), args.max_new, i + j, (eos,)) for j, (_, p) in enumerate(chunk)])
             rounds = [(r.conf_logit, r.verified, r.accepted, r.survival) for q in out for r in q.rounds]
             if cal.add(rounds):
-                dec.temperatures = list(cal.temps)  # what the engine replica does when the actor publishes
+                dec.calibration = cal.cal  # what the engine replica does when the actor publishes
             curves[name].append({"requests": i + len(chunk), "domain": chunk[-1][0], "live_error": cal.live_error(),
-                                 "temperatures": list(dec.temperatures)})
+                                 **dec.calibration.to_dict()})
         print(f"[drift] {i + len(chunk):4d} requests ({chunk[-1][0]:5s}): " + ", ".join(
             f"{n}: error {c[-1]['live_error']:.3f}" for n, c in curves.items()), flush=True)
     pre = [c["live_error"] for c in curves["with calibration actor"] if c["domain"] == "code"][-3:]
@@ -82,7 +86,7 @@ def main():
           f"{recovered} prose requests; final errors {json.dumps({k: round(v, 3) for k, v in final.items()})}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "drift.json").write_text(json.dumps({"code_temps": code_temps, "curves": curves, "pre_shift": level,
+    (out / "drift.json").write_text(json.dumps({"code_calibration": code_cal.to_dict(), "curves": curves, "pre_shift": level,
                                                 "recovered_after_requests": recovered}, indent=1))
     plot(curves, args.before, out / "drift.png")
 

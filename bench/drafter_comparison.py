@@ -9,7 +9,9 @@ evaluated together on held-out prompts (`dspark.evaluation`).
 
 Variants: eagle3 (1 layer), dflash (2 layers), dflash5 (5 layers), dspark (2 layers, vanilla Markov),
 dspark_rnn, dspark_gated, and the same names with suffix _g15 (trained and drafted at gamma=15),
-_fp8 (trained on --fp8-cache), _kl (DSpark with KL(p_t||p_d) in place of the L1 term: an ablation). Prints a tau table with ratios next to the paper's.
+_fp8 (trained on --fp8-cache), _code (trained on the cache's code rows only: a drafter whose
+confidences shift when traffic turns to prose), _kl (DSpark with KL(p_t||p_d) in place of the L1
+term: an ablation). Prints a tau table with ratios next to the paper's.
 """
 from __future__ import annotations
 
@@ -35,14 +37,17 @@ PAPER = {"dspark/dflash": (1.16, 1.18), "dspark/eagle3": (1.27, 1.31)}
 
 
 def parse(name: str):
-    base, gamma, fp8 = name.removesuffix("_kl"), 7, False
+    """variant name -> (kind, layers, markov, gamma, fp8 cache, training domains or None = all)."""
+    base, gamma, fp8, domains = name.removesuffix("_kl"), 7, False, None
+    if base.endswith("_code"):
+        base, domains = base[:-5], ("code",)
     if base.endswith("_fp8"):
         base, fp8 = base[:-4], True
     if base.endswith("_g15"):
         base, gamma = base[:-4], 15
     if base not in VARIANTS:
-        raise SystemExit(f"unknown variant {name!r} (base names: {', '.join(VARIANTS)}; suffixes _g15, _fp8)")
-    return (*VARIANTS[base], gamma, fp8)
+        raise SystemExit(f"unknown variant {name!r} (base names: {', '.join(VARIANTS)}; suffixes _g15, _fp8, _code, _kl)")
+    return (*VARIANTS[base], gamma, fp8, domains)
 
 
 def train_variant(name, tgt, cache, cfg, steps, out_dir, log):
@@ -50,7 +55,7 @@ def train_variant(name, tgt, cache, cfg, steps, out_dir, log):
     from dspark.models import DrafterConfig, build_drafter, count_params, save_drafter
     from dspark.train.loop import fit
 
-    kind, layers, markov, gamma, _ = parse(name)
+    kind, layers, markov, gamma, _, domains = parse(name)
     dc = DrafterConfig.from_target(tgt.config, kind, cache.manifest.layers, tgt.tokenizer.mask_token_id,
                                    num_layers=layers, gamma=gamma, markov=markov,
                                    target={"name": "builtin", "weights_sha256": tgt.weights_sha256})
@@ -61,7 +66,7 @@ def train_variant(name, tgt, cache, cfg, steps, out_dir, log):
 
     def batches():
         epoch[0] += 1
-        return iter_local(cache, tc.micro_batch, seed=tc.seed, epoch=epoch[0])
+        return iter_local(cache, tc.micro_batch, seed=tc.seed, epoch=epoch[0], domains=domains)
 
     t0 = time.perf_counter()
 
@@ -124,8 +129,8 @@ def main():
     for gamma, ds in sorted(groups.items()):
         ecfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"gamma": gamma})})
         res = evaluation.evaluate(ecfg, tgt, ds, corpus, out / f"gamma{gamma}")
-        for name, temps in res["sts_temperatures"].items():  # served and simulated with these
-            sts.save(out / name / "calibration.json", temps, {"fitted_on": "validation split, T=1", "gamma": gamma})
+        for name, cal in res["calibrations"].items():  # served and simulated with these
+            sts.save(out / name / "calibration.json", cal, {"fitted_on": "validation split, T=1", "gamma": gamma})
         summary["evals"][gamma] = [r.__dict__ for r in res["results"]]
         print((out / f"gamma{gamma}" / "results.md").read_text())
     if args.gammas:

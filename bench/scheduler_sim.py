@@ -41,16 +41,16 @@ def record(drafter_path: str, prompts_per_domain: int, max_new: int, gamma: int)
     cfg = load_config()
     tgt = targets.load("builtin")
     drafter = load_drafter(drafter_path, tgt.model, tgt.weights_sha256)
-    temps = sts.load(Path(drafter_path) / "calibration.json")
+    cal = sts.load(Path(drafter_path) / "calibration.json")
     corpus = Corpus.load(cfg.corpus)
     out = {}
     for dom in ("code", "prose"):
         prompts = evaluation.prompts_for(cfg, corpus, dom, "heldout", prompts_per_domain, tgt.tokenizer)
         reqs = evaluation.decode(tgt.model, drafter, prompts, SamplingParams(1.0), gamma, max_new,
-                                 tgt.tokenizer.eos_token_id, seed=0, temperatures=temps)
+                                 tgt.tokenizer.eos_token_id, seed=0, calibration=cal)
         rounds = [r for q in reqs for r in q.rounds if r.survival is not None]
         out[dom] = {"survival": [r.survival for r in rounds], "accepted": [r.accepted for r in rounds]}
-    out["temperatures"] = temps
+    out["calibration"] = cal.to_dict() if cal else None
     return out
 
 

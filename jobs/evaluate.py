@@ -43,26 +43,18 @@ def main(argv=None):
         local = storage.download_dir(path, Path(cfg.eval.out_dir) / "drafters" / name)
         drafters[name] = load_drafter(local, tgt.model, tgt.weights_sha256)
         paths[name] = local
-        temps = sts.load(local / "calibration.json")
-        if temps:
-            print(f"[eval] {name}: has calibration.json (temperatures {temps}); refitting on validation prompts")
+        if sts.load(local / "calibration.json"):
+            print(f"[eval] {name}: has a calibration.json; refitting it on validation prompts")
     out = Path(cfg.eval.out_dir)
     with tracking.run(cfg, "evaluate") as tracker:
         tracker.params({**{k: v for k, v in cfg.flat().items() if k.startswith(("eval.", "target."))},
                         **{f"drafter.{k}": v for k, v in paths.items()}})
         res = evaluation.evaluate(cfg, tgt, drafters, Corpus.load(cfg.corpus), out, calibrate=not args.no_calibrate)
-        for name, temps in res["sts_temperatures"].items():
-            sts.save(paths[name] / "calibration.json", temps, {"fitted_on": "validation split, T=1"})
-        for r in res["results"]:
-            tracker.metrics({f"{r.drafter}.{r.domain}.T{r.temperature:g}.tau": r.tau,
-                             f"{r.drafter}.{r.domain}.T{r.temperature:g}.speedup": r.speedup}, 0)
-        tracker.artifact(out / "results.json")
-        tracker.artifact(out / "results.md")
-        tracker.artifact(out / "conditional_acceptance.png")
-        if (out / "reliability.png").exists():
-            tracker.artifact(out / "reliability.png")
+        for name, cal in res["calibrations"].items():
+            sts.save(paths[name] / "calibration.json", cal, {"fitted_on": "validation split, T=1"})
+        evaluation.log_results(tracker, res, out)
     sys.stdout.write((out / "results.md").read_text())
-    print(f"[eval] results in {out} (results.json, results.md, conditional_acceptance.png)")
+    print(f"[eval] results in {out} (results.json, results.md, conditional acceptance, reliability and threshold-sweep PNGs)")
 
 
 if __name__ == "__main__":

@@ -102,8 +102,8 @@ def stage_eval(cfg: Config, storage, tracker) -> dict:
         drafter = load_drafter(local, tgt.model, tgt.weights_sha256)
         out = Path(cfg.eval.out_dir) / "quickstart"
         ev = evaluation.evaluate(cfg, tgt, {"dspark": drafter}, Corpus.load(cfg.corpus), out)
-        if ev["sts_temperatures"]:
-            sts.save(local / "calibration.json", ev["sts_temperatures"]["dspark"], {"fitted_on": "validation split, T=1"})
+        if ev["calibrations"]:
+            sts.save(local / "calibration.json", ev["calibrations"]["dspark"], {"fitted_on": "validation split, T=1"})
             storage.upload_dir(local, uri)
     print((out / "results.md").read_text().rstrip())
     print(f"[eval] plots and JSON in {out}")

@@ -58,16 +58,11 @@ def evaluate_into_run(cfg, storage, res) -> None:
         drafter = load_drafter(local, tgt.model, tgt.weights_sha256)
         out = Path(cfg.eval.out_dir) / res["name"]
         ev = evaluation.evaluate(cfg, tgt, {cfg.train.drafter: drafter}, Corpus.load(cfg.corpus), out)
-        for temps in ev["sts_temperatures"].values():  # calibration travels with the drafter
-            sts.save(local / "calibration.json", temps, {"fitted_on": "validation split, T=1"})
+        for cal in ev["calibrations"].values():  # calibration travels with the drafter
+            sts.save(local / "calibration.json", cal, {"fitted_on": "validation split, T=1"})
             storage.upload_dir(local, res["out_uri"])
     with tracking.run(cfg, res["name"], run_id=res["run_id"]) as t:
-        for r in ev["results"]:
-            t.metrics({f"eval.{r.drafter}.{r.domain}.T{r.temperature:g}.tau": r.tau,
-                       f"eval.{r.drafter}.{r.domain}.T{r.temperature:g}.speedup": r.speedup}, 0)
-        for f in ("results.json", "results.md", "conditional_acceptance.png", "reliability.png"):
-            if (out / f).exists():
-                t.artifact(out / f, "eval")
+        evaluation.log_results(t, ev, out, prefix="eval.", artifact_path="eval")
     print((out / "results.md").read_text())
 
 

@@ -37,21 +37,24 @@ def _cfg(cfg_json: str):
                   logging_config={"enable_access_log": False})
 class Calibration:
     """Named per model pair (deployment `calibration-<model>`): aggregates per-position acceptance
-    outcomes from every engine replica, refits STS temperatures, hands them back to the engines."""
+    outcomes from every engine replica, refits the STS calibration, hands it back to the engines."""
 
-    def __init__(self, cfg_json: str, gamma: int, temps: list[float] | None):
+    def __init__(self, cfg_json: str, gamma: int, start: dict | None):
         from dspark.calibration.online import OnlineCalibrator
 
         sc = _cfg(cfg_json).serve
-        self.cal = OnlineCalibrator(gamma, temps, half_life=sc.calibration_half_life, min_rounds=sc.calibration_min_rounds,
+        from dspark.calibration.sts import Calibration as STS
+
+        self.cal = OnlineCalibrator(gamma, STS.from_dict(start) if start else None, bias=sc.calibration_bias,
+                                    half_life=sc.calibration_half_life, min_rounds=sc.calibration_min_rounds,
                                     refit_every=sc.calibration_refit_every)
 
     def add(self, rounds: list) -> int:
         self.cal.add(rounds)
         return self.cal.version
 
-    def temperatures(self) -> dict:
-        return {"version": self.cal.version, "temperatures": self.cal.temps}
+    def current(self) -> dict:
+        return {"version": self.cal.version, **self.cal.cal.to_dict()}
 
     def stats(self) -> dict:
         return self.cal.stats()
@@ -110,13 +113,13 @@ class SpeculativeEngine:
         if cfg.target.threads:
             torch.set_num_threads(cfg.target.threads)
         tgt = targets.load_from_config(cfg.target)
-        drafter, temps = None, None
+        drafter, start = None, None
         if sc.drafter_uri:
             import tempfile
 
             local = Storage.from_config(cfg.storage).download_dir(sc.drafter_uri, tempfile.mkdtemp(prefix="drafter-"))
             drafter = load_drafter(local, tgt.model, tgt.weights_sha256)
-            temps = sts.load(local / "calibration.json")
+            start = sts.load(local / "calibration.json")
         t0 = time.perf_counter()
         sps = SPSTable.load(sc.sps_table) if sc.sps_table else profile(tgt.model, sc.sps_batches, repeats=3)
         log.info("SPS table ready in %.1fs: %s", time.perf_counter() - t0, sps.sps)
@@ -126,7 +129,7 @@ class SpeculativeEngine:
         self.pending: list = []
         self.plock = threading.Lock()
         self.engine = Engine(tgt.model, tgt.tokenizer, drafter, sc.gamma, sc.policy, sps, sc.max_batch, sc.max_queue,
-                             sc.static_len, sc.threshold, temps, observer=self._observe if self.calibration else None,
+                             sc.static_len, sc.threshold, start, observer=self._observe if self.calibration else None,
                              metrics=self.metrics)
         self.sps, self.tokenizer, self.model_name = sps, tgt.tokenizer, sc.model_name
         self.cal_version = -1
@@ -139,6 +142,8 @@ class SpeculativeEngine:
             self.pending.extend(rounds)
 
     def _sync_calibration(self) -> None:
+        from dspark.calibration.sts import Calibration as STS
+
         while True:
             time.sleep(1.0)
             try:
@@ -146,12 +151,12 @@ class SpeculativeEngine:
                     batch, self.pending = self.pending, []
                 if batch:
                     self.calibration.add.remote(batch).result(timeout_s=30)
-                t = self.calibration.temperatures.remote().result(timeout_s=30)
-                if t["version"] != self.cal_version:
-                    self.engine.set_temperatures(t["temperatures"])
-                    self.cal_version = t["version"]
+                c = self.calibration.current.remote().result(timeout_s=30)
+                if c["version"] != self.cal_version:
+                    self.engine.set_calibration(STS.from_dict(c))
+                    self.cal_version = c["version"]
                 self.metrics.ece.set(self.calibration.stats.remote().result(timeout_s=30)["live_error"] or 0.0)
-            except Exception as e:  # the engine keeps serving with its current temperatures
+            except Exception as e:  # the engine keeps serving with its current calibration
                 log.warning("calibration sync failed: %s", e)
 
     # -- requests
@@ -307,13 +312,14 @@ def build(args: dict) -> serve.Application:
     cfg_json = cfg.model_dump_json()
     calibration = None
     if cfg.serve.calibration and cfg.serve.drafter_uri:
-        temps = _drafter_temps(cfg)
-        calibration = Calibration.options(name=f"calibration-{cfg.serve.model_name}").bind(cfg_json, cfg.serve.gamma, temps)
+        start = _drafter_calibration(cfg)
+        calibration = Calibration.options(name=f"calibration-{cfg.serve.model_name}").bind(
+            cfg_json, cfg.serve.gamma, start.to_dict() if start else None)
     engine = SpeculativeEngine.options(num_replicas=cfg.serve.num_replicas).bind(cfg_json, calibration)
     return Ingress.bind(cfg_json, engine, calibration)
 
 
-def _drafter_temps(cfg):
+def _drafter_calibration(cfg):
     import tempfile
 
     from dspark.calibration import sts

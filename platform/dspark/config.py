@@ -148,6 +148,13 @@ class EvalConfig(Section):
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0])
     max_new_tokens: int = Field(96, ge=1)
     prompts_per_domain: int = Field(32, ge=1)
+    # Calibration (STS fit on validation, ECE/AUROC on held-out): many more rounds than the speed
+    # evaluation, decoded `calibration_batch` requests at a time (batching does not change outcomes'
+    # law, only the wall clock). ECE is only meaningful well above its noise floor (~1.1/sqrt(rounds)).
+    calibration_prompts_per_domain: int = Field(16, ge=1)
+    calibration_max_new_tokens: int = Field(128, ge=1)
+    calibration_batch: int = Field(8, ge=1)
+    calibration_bias: bool = True  # the shipped calibration also fits per-position offsets (false: the paper's STS)
     seed: int = 0
     out_dir: str = str(REPO_ROOT / "results")
 
@@ -173,6 +180,7 @@ class ServeConfig(Section):
     calibration_refit_every: int = Field(100, ge=1)  # rounds
     calibration_min_rounds: int = Field(200, ge=1)
     calibration_half_life: float = Field(2000.0, gt=0)  # rounds
+    calibration_bias: bool = True  # refit per-position offsets too (false: temperatures only, the paper's STS)
     api_key: Optional[str] = None  # when set, requests need "Authorization: Bearer <key>"
 
 

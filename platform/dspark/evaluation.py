@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +37,6 @@ class RunResult:
     verify_ms: float  # per round
     tokens_per_s: float  # decode phase
     speedup: float = float("nan")  # tokens_per_s / plain target tokens_per_s
-    calibration: list[dict] = field(default_factory=list)
 
 
 def prompts_for(cfg, corpus, domain: str, split: str, n: int, tokenizer) -> list[list[int]]:
@@ -47,9 +46,9 @@ def prompts_for(cfg, corpus, domain: str, split: str, n: int, tokenizer) -> list
 
 
 def decode(target_model, drafter, prompts: list[list[int]], sp: SamplingParams, gamma: int, max_new: int,
-           eos: int, seed: int = 0, temperatures=None, policy=full_length) -> list[Request]:
+           eos: int, seed: int = 0, calibration=None, policy=full_length) -> list[Request]:
     """Batch 1, one prompt after another (the paper's offline protocol)."""
-    dec = SpeculativeDecoder(target_model, drafter, gamma=gamma, policy=policy, max_slots=1, temperatures=temperatures)
+    dec = SpeculativeDecoder(target_model, drafter, gamma=gamma, policy=policy, max_slots=1, calibration=calibration)
     return dec.run([Request(p, sp, max_new, seed + i, (eos,)) for i, p in enumerate(prompts)])
 
 
@@ -74,11 +73,78 @@ def summarize(name: str, domain: str, sp: SamplingParams, gamma: int, reqs: list
                      1e3 * sum(q.verify_s for q in reqs) / max(rounds, 1), tokens / max(decode_s, 1e-9))
 
 
-def fit_calibration(target_model, drafter, prompts, gamma, max_new, eos) -> tuple[list[float], sts.Observations]:
-    """STS temperatures from rounds on the validation split (T=1, full-length verification)."""
-    reqs = decode(target_model, drafter, prompts, SamplingParams(1.0), gamma, max_new, eos, seed=10_000)
-    obs = sts.Observations.from_rounds([r for q in reqs for r in q.rounds])
-    return sts.fit(obs), obs
+def calibration_rounds(target_model, drafter, prompts, gamma: int, max_new: int, eos: int, seed: int,
+                       batch: int) -> sts.Observations:
+    """Rounds at T=1 with every draft verified, `batch` requests at a time (each request keeps its own
+    generator, so batching changes only the wall clock): the confidence logits and the outcomes."""
+    dec = SpeculativeDecoder(target_model, drafter, gamma=gamma, max_slots=batch)
+    reqs = dec.run([Request(p, SamplingParams(1.0), max_new, seed + i, (eos,)) for i, p in enumerate(prompts)])
+    return sts.Observations.from_rounds([r for q in reqs for r in q.rounds])
+
+
+def calibration_study(cfg, target, drafter, corpus, log=print) -> dict:
+    """Calibration of the prefix survival a_k. Fitted on validation rounds of both domains (what ships
+    with the drafter: STS, with offsets unless eval.calibration_bias=false) and reported per held-out
+    domain for raw logits, STS (temperatures only, the paper's) and STS with offsets; "matched" fits
+    on half of the domain's held-out prompts and reports on the other half (two-fold), i.e. what the
+    online calibration actor converges to when traffic is that domain. Plus the threshold sweep."""
+    ec = cfg.eval
+    eos = target.tokenizer.eos_token_id
+    rounds = lambda prompts, seed: calibration_rounds(target.model, drafter, prompts, ec.gamma,  # noqa: E731
+                                                      ec.calibration_max_new_tokens, eos, seed, ec.calibration_batch)
+    prompts = lambda d, split: prompts_for(cfg, corpus, d, split, ec.calibration_prompts_per_domain,  # noqa: E731
+                                           target.tokenizer)
+    t0 = time.perf_counter()
+    fit_obs = sts.Observations.concat([rounds(prompts(d, "validation"), 10_000) for d in ("code", "prose")])
+    fitted = {"sts": sts.fit(fit_obs, bias=False), "sts_bias": sts.fit(fit_obs, bias=True)}
+    shipped = fitted["sts_bias" if ec.calibration_bias else "sts"]
+    out = {"calibration": shipped.to_dict(), "fitted": {k: v.to_dict() for k, v in fitted.items()},
+           "fit_rounds": len(fit_obs.logits), "domains": {}, "obs": {}}
+    log(f"[eval] calibration from {len(fit_obs.logits)} validation rounds: temperatures "
+        f"{[round(t, 2) for t in shipped.temps]}, offsets {[round(b, 2) for b in shipped.biases]} ({time.perf_counter() - t0:.0f}s)")
+    for domain in ("code", "prose"):
+        ps = prompts(domain, "heldout")
+        half_a, half_b = rounds(ps[0::2], 20_000), rounds(ps[1::2], 30_000)
+        obs = sts.Observations.concat([half_b, half_a])
+        reps = {"raw": sts.report(obs, sts.Calibration.identity(ec.gamma)),
+                **{name: sts.report(obs, c, floor=c is shipped) for name, c in fitted.items()}}
+        for bias, name in ((False, "matched_sts"), (True, "matched_sts_bias")):
+            reps[name] = sts.report_survival(*sts.cross_fitted(half_a, half_b, bias), floor=bias)
+        out["domains"][domain] = {
+            "prompts": len(ps), "rounds": len(obs.logits),
+            "positions": [{"k": k + 1, "n": reps["raw"][k]["n"], "auroc": reps["raw"][k]["auroc"],
+                           "observed": reps["raw"][k]["observed"],
+                           **{f"ece_{m}": r[k]["ece"] for m, r in reps.items()},
+                           **{f"brier_{m}": r[k]["brier"] for m, r in reps.items()},
+                           **{f"predicted_{m}": r[k]["predicted"] for m, r in reps.items()},
+                           "ece_floor": reps["sts_bias" if ec.calibration_bias else "sts"][k]["ece_floor"],
+                           "ece_floor_matched": reps["matched_sts_bias"][k]["ece_floor"]} for k in range(ec.gamma)],
+            "threshold_sweep": sts.threshold_sweep(obs, shipped)}
+        out["obs"][domain] = obs
+        log(f"[eval] {domain}: {len(obs.logits)} held-out rounds; ECE by position raw / shipped / matched (floor): "
+            + ", ".join(f"{p['ece_raw']:.3f}/{p['ece_sts_bias' if ec.calibration_bias else 'ece_sts']:.3f}/"
+                        f"{p['ece_matched_sts_bias']:.3f} ({p['ece_floor_matched']:.3f})"
+                        for p in out["domains"][domain]["positions"][:4]) + f" ({time.perf_counter() - t0:.0f}s)")
+    return out
+
+
+def calibration_markdown(cal_by: dict) -> str:
+    rows = ["| drafter | domain | rounds | k | observed | ECE raw | STS | STS+offset | matched STS | matched STS+offset "
+            "| floor | AUROC | Brier raw / STS+offset |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    pct = lambda x: f"{100 * x:.2f}%"  # noqa: E731
+    for name, cal in cal_by.items():
+        for dom, d in cal["domains"].items():
+            rows += [f"| {name} | {dom} | {d['rounds']} | {p['k']} | {p['observed']:.3f} | {pct(p['ece_raw'])} | "
+                     f"{pct(p['ece_sts'])} | {pct(p['ece_sts_bias'])} | {pct(p['ece_matched_sts'])} | "
+                     f"{pct(p['ece_matched_sts_bias'])} | {pct(p['ece_floor_matched'])} | {p['auroc']:.3f} | "
+                     f"{p['brier_raw']:.4f} / {p['brier_sts_bias']:.4f} |" for p in d["positions"]]
+    rows += ["", "| drafter | domain | threshold | verified/step | accepted/step | rejected/step | acceptance rate |",
+             "|---|---|---|---|---|---|---|"]
+    for name, cal in cal_by.items():
+        for dom, d in cal["domains"].items():
+            rows += [f"| {name} | {dom} | {r['threshold']:.1f} | {r['verified']:.2f} | {r['accepted']:.2f} | "
+                     f"{r['rejected']:.2f} | {100 * r['acceptance_rate']:.1f}% |" for r in d["threshold_sweep"]]
+    return "\n".join(rows) + "\n"
 
 
 def markdown(results: list[RunResult]) -> str:
@@ -103,25 +169,49 @@ def plot_acceptance(results: list[RunResult], path: Path) -> None:
     plots.finish(fig, path, axes[0])
 
 
-def plot_reliability(obs_before: dict, temps: dict, path: Path, bins: int = 20) -> None:
-    """Reliability diagrams of prefix survival a_k, raw vs STS-calibrated, one panel per drafter."""
-    from dspark.calibration.metrics import reliability
+def plot_reliability(obs_by: dict, cal: sts.Calibration, path: Path, bins: int = 20) -> None:
+    """Reliability diagrams of prefix survival a_k (paper Fig. 6): one row per held-out domain, one
+    column per position, raw vs calibrated, with the ECE of each and the bin counts shaded."""
+    from dspark.calibration.metrics import ece, reliability
 
-    fig, axes = plots.figure(1, len(obs_before), (4.5 * len(obs_before), 4))
-    for ax, (name, obs) in zip(axes[0], obs_before.items()):
-        for label, t in (("raw", [1.0] * obs.logits.shape[1]), ("STS", temps[name])):
-            a = sts.survival(obs.logits, t)
-            pts = []
-            for k in range(1, obs.logits.shape[1] + 1):
-                sel, y, _ = obs.at(k)
-                pts += reliability(a[sel, k - 1], y, bins)
-            pts.sort()
-            ax.plot([p for p, _, _ in pts], [o for _, o, _ in pts], ".", label=label, alpha=0.6)
-        ax.plot([0, 1], [0, 1], "k--", lw=0.8)
-        ax.set_title(f"{name}: prefix survival")
-        ax.set_xlabel("predicted a_k")
-        ax.set_ylabel("observed")
-    plots.finish(fig, path, axes[0])
+    gamma = next(iter(obs_by.values())).logits.shape[1]
+    ks = list(range(1, min(gamma, 4) + 1))  # later positions hold almost no survival mass at this scale
+    fig, axes = plots.figure(len(obs_by), len(ks), (3.6 * len(ks), 3.4 * len(obs_by)))
+    for row, (label, obs) in zip(axes, obs_by.items()):
+        raw, fitted = sts.survival(obs.logits, sts.Calibration.identity(gamma)), sts.survival(obs.logits, cal)
+        for ax, k in zip(row, ks):
+            sel, y, _ = obs.at(k)
+            counts = np.bincount(np.minimum((fitted[sel, k - 1] * bins).astype(int), bins - 1), minlength=bins)
+            ax.bar((np.arange(bins) + 0.5) / bins, counts / max(counts.max(), 1), width=1 / bins, color="0.9")
+            for name, a, style in (("raw", raw, "rs-"), ("STS", fitted, "bo-")):
+                pts = reliability(a[sel, k - 1], y, bins)
+                ax.plot([p for p, _, _ in pts], [o for _, o, _ in pts], style, ms=3,
+                        label=f"{name} ECE {100 * ece(a[sel, k - 1], y, bins):.1f}%")
+            ax.plot([0, 1], [0, 1], "k--", lw=0.8)
+            ax.set_title(f"{label}, position {k} (n={int(sel.sum())})", fontsize=9)
+            ax.set_xlabel("predicted a_k")
+            ax.set_ylabel("observed")
+            ax.legend(fontsize=7)
+    plots.finish(fig, path, [])
+
+
+def plot_sweep(sweeps: dict, path: Path) -> None:
+    """Threshold sweep (paper Fig. 5): accepted and rejected drafts per step (bars), acceptance rate (line)."""
+    fig, axes = plots.figure(1, len(sweeps), (4.5 * len(sweeps), 3.6))
+    for ax, (label, rows) in zip(axes[0], sweeps.items()):
+        th = np.array([r["threshold"] for r in rows])
+        acc, rej = np.array([r["accepted"] for r in rows]), np.array([r["rejected"] for r in rows])
+        ax.bar(th, acc, width=0.07, label="accepted")
+        ax.bar(th, rej, width=0.07, bottom=acc, hatch="//", fill=False, label="rejected")
+        ax.set_xlabel("confidence threshold on a_k")
+        ax.set_ylabel("drafts verified per step")
+        ax.set_title(label)
+        ax.legend(fontsize=7, loc="upper right")
+        ax2 = ax.twinx()
+        ax2.plot(th, [100 * r["acceptance_rate"] for r in rows], "k-o", ms=3)
+        ax2.set_ylim(0, 100)
+        ax2.set_ylabel("acceptance rate (%)")
+    plots.finish(fig, path, [])
 
 
 def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool = True, log=print) -> dict:
@@ -130,14 +220,15 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
     ec = cfg.eval
     eos = target.tokenizer.eos_token_id
     results: list[RunResult] = []
-    temps_by: dict = {}
-    obs_by: dict = {}
+    cal_by: dict = {}
     for name, drafter in drafters.items():
         if calibrate and drafter.has_confidence:
-            val = [p for d in ("code", "prose")
-                   for p in prompts_for(cfg, corpus, d, "validation", max(4, ec.prompts_per_domain // 2), target.tokenizer)]
-            temps_by[name], _ = fit_calibration(target.model, drafter, val, ec.gamma, ec.max_new_tokens, eos)
-            log(f"[eval] {name}: STS temperatures {[round(t, 2) for t in temps_by[name]]}")
+            cal = cal_by[name] = calibration_study(cfg, target, drafter, corpus, log)
+            plot_reliability({f"{name} ({d})": o for d, o in cal.pop("obs").items()},
+                             sts.Calibration.from_dict(cal["calibration"]), out_dir / f"reliability_{name}.png")
+            plot_sweep({f"{name} ({d})": v["threshold_sweep"] for d, v in cal["domains"].items()},
+                       out_dir / f"threshold_sweep_{name}.png")
+    shipped = {name: sts.Calibration.from_dict(c["calibration"]) for name, c in cal_by.items()}
     for domain in ("code", "prose"):
         prompts = prompts_for(cfg, corpus, domain, "heldout", ec.prompts_per_domain, target.tokenizer)
         for t in ec.temperatures:
@@ -150,21 +241,28 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
                 reqs = decode(target.model, drafter, prompts, sp, ec.gamma, ec.max_new_tokens, eos, ec.seed)
                 r = summarize(name, domain, sp, ec.gamma, reqs)
                 r.speedup = r.tokens_per_s / plain.tokens_per_s
-                if name in temps_by:
-                    obs = sts.Observations.from_rounds([x for q in reqs for x in q.rounds])
-                    r.calibration = [{"k": a["k"], "n": a["n"], "ece_raw": a["ece"], "auroc": a["auroc"],
-                                      "brier_raw": a["brier"], "ece_sts": b["ece"], "brier_sts": b["brier"],
-                                      "ece_floor_sts": b["ece_floor"]}
-                                     for a, b in zip(sts.report(obs, [1.0] * ec.gamma), sts.report(obs, temps_by[name], floor=True))]
-                    if t == 1.0:
-                        obs_by[f"{name} ({domain})"] = obs
                 results.append(r)
             log(f"[eval] {domain} T={t:g}: " + ", ".join(f"{r.drafter} tau {r.tau:.2f}" for r in results[-len(drafters) - 1:])
                 + f" ({time.perf_counter() - t0:.0f}s)")
-    (out_dir / "results.json").write_text(json.dumps({"results": [asdict(r) for r in results],
-                                                      "sts_temperatures": temps_by}, indent=2) + "\n")
-    (out_dir / "results.md").write_text(markdown(results))
+    (out_dir / "results.json").write_text(json.dumps({"results": [asdict(r) for r in results], "calibration": cal_by},
+                                                     indent=2) + "\n")
+    (out_dir / "results.md").write_text(markdown(results) + ("\n" + calibration_markdown(cal_by) if cal_by else ""))
     plot_acceptance(results, out_dir / "conditional_acceptance.png")
-    if obs_by:
-        plot_reliability(obs_by, {k: temps_by[k.split(" (")[0]] for k in obs_by}, out_dir / "reliability.png")
-    return {"results": results, "sts_temperatures": temps_by}
+    return {"results": results, "calibrations": shipped, "calibration": cal_by}
+
+
+def log_results(tracker, res: dict, out_dir: Path, prefix: str = "", artifact_path: str | None = None) -> None:
+    """MLflow: tau and speedup per drafter/domain/T, calibration (ECE raw/STS, AUROC) per position,
+    and every JSON/markdown/PNG the evaluation wrote."""
+    for r in res["results"]:
+        key = f"{prefix}{r.drafter}.{r.domain}.T{r.temperature:g}"
+        tracker.metrics({f"{key}.tau": r.tau, f"{key}.speedup": r.speedup}, 0)
+    for name, cal in res["calibration"].items():
+        for dom, d in cal["domains"].items():
+            for p in d["positions"]:
+                tracker.metrics({f"{prefix}{name}.{dom}.calibration.{m}": p[m] for m in
+                                 ("ece_raw", "ece_sts", "ece_sts_bias", "ece_matched_sts_bias", "ece_floor", "auroc")}, p["k"])
+    for f in sorted(out_dir.iterdir()):
+        if f.suffix in (".json", ".md", ".png"):
+            tracker.artifact(f, artifact_path)
+

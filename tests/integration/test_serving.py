@@ -152,5 +152,5 @@ def test_calibration_actor_collects_live_outcomes(server):
         if stats["rounds_total"] > 0:
             break
         time.sleep(1)
-    assert stats["rounds_total"] > 0 and len(stats["temperatures"]) == 4
+    assert stats["rounds_total"] > 0 and len(stats["temperatures"]) == len(stats["biases"]) == 4
     assert json.dumps(stats)  # JSON-safe

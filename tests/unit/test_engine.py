@@ -1,6 +1,5 @@
 """The continuous-batching engine without Ray: concurrent requests join and leave between rounds and
 each still gets exactly the target's greedy output; bounded queue; cancellation; stop strings."""
-import threading
 
 import pytest
 import torch

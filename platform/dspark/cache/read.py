@@ -153,9 +153,10 @@ def decode_batch(batch: dict, manifest: Manifest, dtype: torch.dtype = torch.flo
 
 
 def iter_local(cache: Cache, batch_size: int, seed: int = 0, epoch: int = 0, shards: list[ShardStats] | None = None,
-               dtype: torch.dtype = torch.float32):
+               dtype: torch.dtype = torch.float32, domains: tuple[str, ...] | None = None):
     """Single-process streaming reader (tests, offline experiments): shards in a seeded order, rows
-    shuffled within each shard, one shard in memory at a time; yields decoded batches."""
+    shuffled within each shard, one shard in memory at a time; yields decoded batches (of the rows
+    whose `domain` is in `domains`, when given)."""
     rng = np.random.default_rng(seed * 1_000_003 + epoch)
     shards = list(shards if shards is not None else cache.manifest.shards)
     fs, root = cache.fs_root
@@ -165,6 +166,8 @@ def iter_local(cache: Cache, batch_size: int, seed: int = 0, epoch: int = 0, sha
         rows = {k: table.column(k).to_pylist() for k in table.column_names}
         rows["path"] = [s.file] * table.num_rows
         order = rng.permutation(table.num_rows)
+        if domains is not None:
+            order = [t for t in order if rows["domain"][t] in domains]
         for j in range(0, len(order), batch_size):
             idx = order[j:j + batch_size]
             yield decode_batch({k: [v[t] for t in idx] for k, v in rows.items()}, cache.manifest, dtype)

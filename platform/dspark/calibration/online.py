@@ -3,10 +3,11 @@
 - Unbiased observations only: position k of a round counts only if the round verified >= k drafts
   (a truncated prefix says nothing about the positions it did not verify).
 - Exponentially decayed weights (half-life in rounds), so the fit follows traffic as it drifts.
-- STS refit every `refit_every` new rounds once `min_rounds` are held; each temperature may move
-  by at most a factor `max_change` per refit (clamped updates: one noisy window cannot swing it).
+- STS refit (temperatures, and offsets unless `bias=False`) every `refit_every` new rounds once
+  `min_rounds` are held; each temperature may move by at most a factor `max_change` and each offset
+  by at most `max_bias_change` logits per refit (clamped: one noisy window cannot swing it).
 - Live calibration error: over the last `window` rounds, the mean over positions of
-  |mean predicted survival (with the temperatures in force then) - observed survival|.
+  |mean predicted survival (with the calibration in force then) - observed survival|.
 """
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from dspark.calibration import sts
 
 
 class OnlineCalibrator:
-    def __init__(self, gamma: int, temps: list[float] | None = None, half_life: float = 2000.0,
-                 min_rounds: int = 200, refit_every: int = 100, max_change: float = 2.0,
-                 max_rounds: int = 20000, window: int = 300):
+    def __init__(self, gamma: int, cal: sts.Calibration | None = None, half_life: float = 2000.0,
+                 min_rounds: int = 200, refit_every: int = 100, max_change: float = 2.0, max_bias_change: float = 0.5,
+                 bias: bool = True, max_rounds: int = 20000, window: int = 300):
         self.gamma = gamma
-        self.temps = list(temps or [1.0] * gamma)
+        start = cal or sts.Calibration.identity(gamma)
+        self.cal = sts.Calibration(list(start.temps[:gamma]), list(start.biases[:gamma]))
         self.half_life, self.min_rounds, self.refit_every = half_life, min_rounds, refit_every
-        self.max_change, self.max_rounds = max_change, max_rounds
+        self.max_change, self.max_bias_change, self.bias, self.max_rounds = max_change, max_bias_change, bias, max_rounds
         self.logits = np.zeros((0, gamma))
         self.verified = np.zeros(0, dtype=np.int64)
         self.accepted = np.zeros(0, dtype=np.int64)
@@ -36,7 +38,7 @@ class OnlineCalibrator:
 
     def add(self, rounds: list[tuple[list[float], int, int, list[float]]]) -> bool:
         """rounds: (confidence logits, verified l, accepted n, predicted survival used for scheduling).
-        Returns True when the temperatures were refitted."""
+        Returns True when the calibration was refitted."""
         if not rounds:
             return False
         n = len(rounds)
@@ -61,12 +63,14 @@ class OnlineCalibrator:
     def observations(self) -> sts.Observations:
         return sts.Observations(self.logits, self.verified, self.accepted, self.weights)
 
-    def refit(self) -> list[float]:
-        fitted = sts.fit(self.observations())
-        self.temps = [float(np.clip(f, t / self.max_change, t * self.max_change)) for f, t in zip(fitted, self.temps)]
+    def refit(self) -> sts.Calibration:
+        fitted, old = sts.fit(self.observations(), bias=self.bias), self.cal
+        self.cal = sts.Calibration(
+            [float(np.clip(f, t / self.max_change, t * self.max_change)) for f, t in zip(fitted.temps, old.temps)],
+            [float(np.clip(f, b - self.max_bias_change, b + self.max_bias_change)) for f, b in zip(fitted.biases, old.biases)])
         self.since_refit = 0
         self.version += 1
-        return self.temps
+        return self.cal
 
     def live_error(self) -> float:
         """Mean over positions of |mean predicted survival - observed survival| on the recent window."""
@@ -84,9 +88,9 @@ class OnlineCalibrator:
 
     def stats(self) -> dict:
         """JSON-safe summary (NaN, e.g. a position never verified, becomes None)."""
-        rep = sts.report(self.observations(), self.temps) if len(self.weights) else []
+        rep = sts.report(self.observations(), self.cal) if len(self.weights) else []
         return _finite({"rounds_total": self.total, "rounds_held": int(len(self.weights)),
-                "effective_rounds": float(self.weights.sum()), "temperatures": self.temps, "version": self.version,
+                "effective_rounds": float(self.weights.sum()), **self.cal.to_dict(), "version": self.version,
                 "live_error": self.live_error(),
                 "positions": [{k: r[k] for k in ("k", "n", "ece", "predicted", "observed")} for r in rep]})
 

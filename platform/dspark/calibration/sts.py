@@ -1,10 +1,14 @@
-"""Sequential Temperature Scaling (paper §3.2.1).
+"""Sequential Temperature Scaling (paper §3.2.1), with an optional per-position offset.
 
 The confidence head predicts conditional acceptance c_k; the scheduler needs calibrated prefix
 survival a_k = prod_{i<=k} c_i. On held-out rounds, for k = 1..gamma in order, pick T_k from a grid
-minimising the ECE of  a_{k-1}(calibrated, fixed) * σ(logit_k / T_k)  against "the first k drafts
-were all accepted", using only rounds that verified at least k drafts (truncation would bias it).
-Scaling is monotone per position, so ranking quality (AUROC of c_k) is unchanged."""
+minimising the ECE of  a_{k-1}(calibrated, fixed) * σ(logit_k / T_k + b_k)  against "the first k
+drafts were all accepted", using only rounds that verified at least k drafts (truncation would bias
+it). b_k = 0 is the paper's STS. With the offset, each candidate T_k gets the b_k that makes the mean
+predicted a_k equal the observed survival rate: a temperature alone cannot move predictions that sit
+on both sides of 1/2 in the same direction, so it cannot undo a level shift (a drafter whose
+acceptance drops on traffic it was not trained for). Both maps are monotone per position, so
+ranking quality (AUROC of c_k) is unchanged."""
 from __future__ import annotations
 
 import json
@@ -16,6 +20,31 @@ import numpy as np
 from dspark.calibration.metrics import auroc, brier, ece, ece_floor
 
 GRID = np.geomspace(0.25, 4.0, 49)
+MAX_BIAS = 8.0  # |b_k| in logits; bisection range of the offset
+
+
+@dataclass
+class Calibration:
+    """c_k = σ(logit_k / temps[k] + biases[k]) per draft position."""
+    temps: list[float]
+    biases: list[float]
+
+    @classmethod
+    def identity(cls, gamma: int) -> "Calibration":
+        return cls([1.0] * gamma, [0.0] * gamma)
+
+    def conditional(self, logits: np.ndarray) -> np.ndarray:
+        """(n, g) raw confidence logits -> calibrated conditional confidences c_k."""
+        g = logits.shape[1]
+        return _sigmoid(logits / np.asarray(self.temps[:g], float) + np.asarray(self.biases[:g], float))
+
+    def to_dict(self) -> dict:
+        return {"temperatures": [float(t) for t in self.temps], "biases": [float(b) for b in self.biases]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        temps = [float(t) for t in d["temperatures"]]
+        return cls(temps, [float(b) for b in d.get("biases") or [0.0] * len(temps)])
 
 
 @dataclass
@@ -31,6 +60,15 @@ class Observations:
         return cls(np.array([r.conf_logit for r in rounds], float).reshape(len(rounds), -1),
                    np.array([r.verified for r in rounds]), np.array([r.accepted for r in rounds]))
 
+    @classmethod
+    def concat(cls, parts: list["Observations"]) -> "Observations":
+        return cls(np.concatenate([p.logits for p in parts]), np.concatenate([p.verified for p in parts]),
+                   np.concatenate([p.accepted for p in parts]))
+
+    def subset(self, rows: np.ndarray) -> "Observations":
+        return Observations(self.logits[rows], self.verified[rows], self.accepted[rows],
+                            None if self.weights is None else self.weights[rows])
+
     def at(self, k: int):
         """Rounds that verified position k (1-based) and whether positions 1..k were all accepted."""
         sel = self.verified >= k
@@ -42,30 +80,46 @@ def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
-def survival(logits: np.ndarray, temps) -> np.ndarray:
-    """(n, gamma) logits -> calibrated prefix survival with per-position temperatures."""
-    t = np.asarray(temps, float)[: logits.shape[1]]
-    return np.cumprod(_sigmoid(logits / t), axis=1)
+def survival(logits: np.ndarray, cal: Calibration) -> np.ndarray:
+    """(n, gamma) logits -> calibrated prefix survival a_k = prod_{i<=k} c_i."""
+    return np.cumprod(cal.conditional(logits), axis=1)
 
 
-def fit(obs: Observations, grid: np.ndarray = GRID, bins: int = 20) -> list[float]:
+def _matching_bias(prev: np.ndarray, logit: np.ndarray, y: np.ndarray, w, t: float) -> float:
+    """The offset b with weighted mean of prev * σ(logit / t + b) = observed rate (monotone in b: bisection)."""
+    target = np.average(y, weights=w)
+    lo, hi = -MAX_BIAS, MAX_BIAS
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if np.average(prev * _sigmoid(logit / t + mid), weights=w) < target else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def fit(obs: Observations, grid: np.ndarray = GRID, bins: int = 20, bias: bool = True) -> Calibration:
+    """Left to right, one (T_k, b_k) per position with the earlier positions' calibration fixed."""
     gamma = obs.logits.shape[1]
-    temps = [1.0] * gamma
+    cal = Calibration.identity(gamma)
     prev = np.ones(len(obs.logits))
     for k in range(1, gamma + 1):
         sel, y, w = obs.at(k)
         if sel.sum() == 0:
             break
-        errs = [ece(prev[sel] * _sigmoid(obs.logits[sel, k - 1] / t), y, bins, w) for t in grid]
-        temps[k - 1] = float(grid[int(np.nanargmin(errs))])
-        prev = prev * _sigmoid(obs.logits[:, k - 1] / temps[k - 1])
-    return temps
+        p, lk = prev[sel], obs.logits[sel, k - 1]
+        cands = [(t, _matching_bias(p, lk, y, w, t) if bias else 0.0) for t in grid]
+        errs = [ece(p * _sigmoid(lk / t + b), y, bins, w) for t, b in cands]
+        cal.temps[k - 1], cal.biases[k - 1] = (float(v) for v in cands[int(np.nanargmin(errs))])
+        prev = prev * _sigmoid(obs.logits[:, k - 1] / cal.temps[k - 1] + cal.biases[k - 1])
+    return cal
 
 
-def report(obs: Observations, temps, bins: int = 20, floor: bool = False) -> list[dict]:
-    """Per position k: ECE, AUROC, Brier of a_k and the number of rounds it is measured on; with
-    floor, also the ECE a perfectly calibrated predictor would show on those rounds (simulated)."""
-    a = survival(obs.logits, temps)
+def report(obs: Observations, cal: Calibration, bins: int = 20, floor: bool = False) -> list[dict]:
+    return report_survival(obs, survival(obs.logits, cal), bins, floor)
+
+
+def report_survival(obs: Observations, a: np.ndarray, bins: int = 20, floor: bool = False) -> list[dict]:
+    """Per position k: ECE, AUROC, Brier of the predicted survival a (n, gamma) and the number of
+    rounds it is measured on; with floor, also the ECE a perfectly calibrated predictor would show
+    on those rounds (simulated)."""
     out = []
     for k in range(1, obs.logits.shape[1] + 1):
         sel, y, w = obs.at(k)
@@ -77,10 +131,36 @@ def report(obs: Observations, temps, bins: int = 20, floor: bool = False) -> lis
     return out
 
 
-def save(path: str | Path, temps, extra: dict | None = None) -> None:
-    Path(path).write_text(json.dumps({"temperatures": list(temps), **(extra or {})}, indent=2) + "\n")
+def cross_fitted(a: Observations, b: Observations, bias: bool) -> tuple[Observations, np.ndarray]:
+    """Two-fold: fit on a, predict b; fit on b, predict a. Returns (b + a, predicted survival)."""
+    pred = np.concatenate([survival(b.logits, fit(a, bias=bias)), survival(a.logits, fit(b, bias=bias))])
+    return Observations.concat([b, a]), pred
 
 
-def load(path: str | Path) -> list[float] | None:
+def threshold_sweep(obs: Observations, cal: Calibration, thresholds=tuple(np.round(np.arange(0.0, 0.95, 0.1), 2))) -> list[dict]:
+    """The static-threshold diagnostic (paper Fig. 5) replayed on full-length rounds: verify only the
+    drafts whose calibrated prefix survival a_k >= threshold. Exact, not simulated: whether draft k is
+    accepted depends only on drafts 1..k, so a round that verified all gamma and accepted n would have
+    accepted min(n, l) of its first l. Threshold 0 is fixed-length verification."""
+    from dspark.scheduling.policies import static_threshold
+
+    full = obs.verified == obs.logits.shape[1]
+    a, n = survival(obs.logits[full], cal), obs.accepted[full]
+    rows = []
+    for th in thresholds:
+        ell = static_threshold(a, th)  # (rounds,) verified drafts
+        acc = np.minimum(n, ell)
+        rows.append({"threshold": float(th), "verified": float(ell.mean()), "accepted": float(acc.mean()),
+                     "rejected": float((ell - acc).mean()), "tokens_per_step": float(acc.mean() + 1),
+                     "acceptance_rate": float(acc.sum() / max(ell.sum(), 1))})
+    return rows
+
+
+def save(path: str | Path, cal: Calibration, extra: dict | None = None) -> None:
+    Path(path).write_text(json.dumps({**cal.to_dict(), **(extra or {})}, indent=2) + "\n")
+
+
+def load(path: str | Path) -> Calibration | None:
+    """calibration.json next to a drafter (files without biases are plain STS); None when absent."""
     p = Path(path)
-    return json.loads(p.read_text())["temperatures"] if p.is_file() else None
+    return Calibration.from_dict(json.loads(p.read_text())) if p.is_file() else None

@@ -3,8 +3,8 @@ all active requests; requests join and leave between rounds; tokens stream out a
 
 Per round: drafts for all active requests -> the scheduling policy picks l_r from the calibrated
 survival and the SPS table -> one flattened target forward verifies everything -> rejection
-sampling. Acceptance outcomes go to an observer (the calibration actor) and fresh STS temperatures
-can be installed at any time. The waiting queue is bounded: beyond it `submit` raises Overloaded.
+sampling. Acceptance outcomes go to an observer (the calibration actor) and a fresh STS calibration
+can be installed between rounds. The waiting queue is bounded: beyond it `submit` raises Overloaded.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
-import torch
 
+from dspark.calibration.sts import Calibration
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.scheduling import policies
@@ -79,7 +79,7 @@ class Stream:
 class Engine:
     def __init__(self, target_model, tokenizer, drafter=None, gamma: int = 7, policy: str = "greedy",
                  sps: Optional[SPSTable] = None, max_batch: int = 8, max_queue: int = 32, static_len: int = 4,
-                 threshold: float = 0.5, temperatures: Optional[list[float]] = None,
+                 threshold: float = 0.5, calibration: Optional[Calibration] = None,
                  observer: Optional[Callable[[list], None]] = None, metrics=None):
         if policy not in POLICIES:
             raise ValueError(f"policy: {policy!r} not in {POLICIES}")
@@ -88,7 +88,7 @@ class Engine:
         self.policy_name = policy
         self.decoder = SpeculativeDecoder(target_model, drafter if policy != "none" else None, gamma,
                                           make_policy(policy, self.sps, static_len, threshold), max_slots=max_batch,
-                                          temperatures=temperatures)
+                                          calibration=calibration)
         self.max_queue = max_queue
         self.max_positions = target_model.config.max_position_embeddings
         self.observer, self.metrics = observer, metrics
@@ -125,13 +125,13 @@ class Engine:
                 self.waiting.remove(s)
         self.wake.set()
 
-    def set_temperatures(self, temps: list[float]) -> None:
-        self.decoder.temperatures = list(temps)
+    def set_calibration(self, cal: Calibration) -> None:
+        self.decoder.calibration = cal  # swapped whole between rounds: a round never mixes two
 
     def state(self) -> dict:
         return {"active": len(self.decoder.active), "waiting": len(self.waiting), "policy": self.policy_name,
                 "drafter": self.decoder.drafter is not None, "drafter_error": self.decoder.drafter_error,
-                "temperatures": self.decoder.temperatures}
+                "calibration": self.decoder.calibration.to_dict() if self.decoder.calibration else None}
 
     def close(self) -> None:
         self.running = False

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
+from dspark.calibration.sts import Calibration
 from dspark.decoding.runner import TargetRunner
 from dspark.decoding.sampling import BatchSampler, SamplingParams, draw, probs
 from dspark.decoding.verify import verify_greedy, verify_one
@@ -65,11 +66,11 @@ class Request:
 
 class SpeculativeDecoder:
     def __init__(self, target_model, drafter: Drafter | None = None, gamma: int = 7, policy: Policy = full_length,
-                 max_slots: int = 16, temperatures: Optional[list[float]] = None, capacity: int = 512):
+                 max_slots: int = 16, calibration: Optional[Calibration] = None, capacity: int = 512):
         self.drafter, self.gamma, self.policy = drafter, gamma if drafter is not None else 0, policy
         taps = drafter.c.tap_layers if drafter is not None else []
         self.runner = TargetRunner(target_model, taps, max_slots=max_slots, capacity=capacity)
-        self.temperatures = temperatures  # STS temperatures for the confidence logits (None = raw)
+        self.calibration = calibration  # STS of the confidence logits (None = raw)
         self.active: list[Request] = []
         self.drafter_error: str | None = None  # set when the drafter failed and decoding fell back to the target
         self.last_survival: Optional[torch.Tensor] = None  # (R, gamma) of the latest round, for observers
@@ -153,8 +154,10 @@ class SpeculativeDecoder:
             if prop.conf_logit is not None:
                 conf_logits = prop.conf_logit.float().cpu()
                 logit = prop.conf_logit.float()
-                if self.temperatures is not None:
-                    logit = logit / torch.tensor(self.temperatures[: self.gamma], device=logit.device)
+                if self.calibration is not None:  # c_k = σ(logit_k / T_k + b_k)
+                    cal = self.calibration
+                    logit = (logit / torch.tensor(cal.temps[: self.gamma], device=logit.device)
+                             + torch.tensor(cal.biases[: self.gamma], device=logit.device))
                 survival = torch.sigmoid(logit).cumprod(-1).cpu()  # a_{r,k} = prod_{i<=k} c_{r,i}
             lengths = [max(0, min(self.gamma, int(x))) for x in self.policy(survival, len(reqs), self.gamma)]
             self.last_survival = survival

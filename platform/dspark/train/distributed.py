@@ -306,7 +306,6 @@ def fit(cfg: Config, log=print, in_memory: bool = False) -> dict:
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from dspark import tracking
     from dspark.cache.build import cache_uri
     from dspark.cache.read import check_shards, dataset, open_cache
     from dspark.cluster import quiet_ray_data
