@@ -144,6 +144,7 @@ DEMO_DEFAULTS = ["cache.max_examples=256", "cache.shard_rows=32", "cache.max_new
                  "ray.num_cpus=2", "train.run_name=quickstart", "train.num_workers=2", "train.zero_stage=2",
                  "train.max_steps=200", "train.global_batch=8", "train.micro_batch=2", "train.lr=2e-3",
                  "train.checkpoint_every=50", "eval.prompts_per_domain=6", "eval.max_new_tokens=48",
+                 "eval.calibration_prompts_per_domain=12", "eval.calibration_max_new_tokens=64",
                  "serve.sps_batches=[1,2,4,8,16]"]
 
 
