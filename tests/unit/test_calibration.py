@@ -63,6 +63,13 @@ def test_offsets_undo_a_level_shift_that_temperatures_cannot(tmp_path):
     assert sts.load(path) == sts.Calibration([1.5, 2.0], [0.0, 0.0])
 
 
+def test_positions_without_evidence_keep_the_identity_map():
+    obs, _ = _synthetic(n=3000, true_t=(1.0, 1.0, 1.0, 1.0), true_b=(-1.0, -1.0, -1.0, -1.0), seed=3)
+    obs.accepted = np.minimum(obs.accepted, 2)  # nobody ever survives past position 2
+    cal = sts.fit(obs)
+    assert cal.biases[0] < -0.5 and (cal.temps[2:], cal.biases[2:]) == ([1.0, 1.0], [0.0, 0.0]), cal
+
+
 def test_truncated_rounds_do_not_count_past_their_length():
     obs, _ = _synthetic(n=2000)
     obs.verified[:1000] = 1  # half the rounds verified one draft only

@@ -95,15 +95,20 @@ def _matching_bias(prev: np.ndarray, logit: np.ndarray, y: np.ndarray, w, t: flo
     return 0.5 * (lo + hi)
 
 
-def fit(obs: Observations, grid: np.ndarray = GRID, bins: int = 20, bias: bool = True) -> Calibration:
-    """Left to right, one (T_k, b_k) per position with the earlier positions' calibration fixed."""
+def fit(obs: Observations, grid: np.ndarray = GRID, bins: int = 20, bias: bool = True,
+        min_events: float = 10.0) -> Calibration:
+    """Left to right, one (T_k, b_k) per position with the earlier positions' calibration fixed.
+    A position with fewer than `min_events` survivals or failures keeps the identity map: there is
+    not enough evidence to move it (an offset fitted to zero survivals would run to -MAX_BIAS)."""
     gamma = obs.logits.shape[1]
     cal = Calibration.identity(gamma)
     prev = np.ones(len(obs.logits))
     for k in range(1, gamma + 1):
         sel, y, w = obs.at(k)
-        if sel.sum() == 0:
-            break
+        ww = np.ones_like(y) if w is None else w
+        if min((ww * y).sum(), (ww * (1 - y)).sum()) < min_events:
+            prev = prev * _sigmoid(obs.logits[:, k - 1])
+            continue
         p, lk = prev[sel], obs.logits[sel, k - 1]
         cands = [(t, _matching_bias(p, lk, y, w, t) if bias else 0.0) for t in grid]
         errs = [ece(p * _sigmoid(lk / t + b), y, bins, w) for t, b in cands]
