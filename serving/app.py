@@ -130,7 +130,7 @@ class SpeculativeEngine:
         self.plock = threading.Lock()
         self.engine = Engine(tgt.model, tgt.tokenizer, drafter, sc.gamma, sc.policy, sps, sc.max_batch, sc.max_queue,
                              sc.static_len, sc.threshold, start, observer=self._observe if self.calibration else None,
-                             metrics=self.metrics)
+                             metrics=self.metrics, idle_probe=sc.idle_probe_rounds)
         self.sps, self.tokenizer, self.model_name = sps, tgt.tokenizer, sc.model_name
         self.cal_version = -1
         if self.calibration:

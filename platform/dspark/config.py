@@ -181,6 +181,7 @@ class ServeConfig(Section):
     calibration_min_rounds: int = Field(200, ge=1)
     calibration_half_life: float = Field(2000.0, gt=0)  # rounds
     calibration_bias: bool = True  # refit per-position offsets too (false: temperatures only, the paper's STS)
+    idle_probe_rounds: int = Field(4, ge=0)  # after a round that verified no draft, skip drafting this many rounds
     api_key: Optional[str] = None  # when set, requests need "Authorization: Bearer <key>"
 
 

@@ -6,6 +6,7 @@ sequences whose probabilities are computed exactly with the target) matches the 
 verification, per-request truncation l_r < gamma, Algorithm 1 and the async scheduler; a chi-square
 test with enough samples to detect a 2% shift, whose power is shown by catching a broken verifier.
 """
+import itertools
 import os
 
 import numpy as np
@@ -211,6 +212,26 @@ def test_sampling_matches_target_distribution(tgt, prompt, name, policy, all_cor
     if name != "full":
         assert truncated > 0.1  # and l_r < gamma truncations were part of it
     assert p_value > 1e-3, (name, p_value, n)
+
+
+def test_skipping_the_drafter_after_an_idle_round_keeps_the_target_distribution(tgt, prompt, all_cores):
+    """idle_probe: after a round that verified nothing, the next round does not draft at all."""
+    law = _exact_law(tgt, prompt)
+    calls = itertools.count()  # every other drafted round verifies nothing, the others everything
+
+    def alternate(s, R, g):
+        return [0] * R if next(calls) % 2 == 0 else [g] * R
+
+    dec = SpeculativeDecoder(tgt.model, PerturbedTarget(tgt.model, 4), gamma=4, policy=alternate, max_slots=256,
+                             capacity=64, idle_probe=1)
+    reqs = dec.run([Request(prompt, SP, 3, seed) for seed in range(10_000)])
+    p_value, power = _chi2(law, [tuple(r.out[:3]) for r in reqs])
+    rounds = [r for q in reqs for r in q.rounds]
+    skipped = sum(r.conf_logit is None for r in rounds) / len(rounds)
+    print(f"[exactness] idle skip: chi-square p={p_value:.3f}, power {power:.3f}, skipped rounds {skipped:.2f}")
+    assert 0.2 < skipped < 0.5 and any(r.verified == 4 for r in rounds)  # both kinds of round happened
+    assert all(r.verified == 0 for r in rounds if r.conf_logit is None)
+    assert power >= 0.9 and p_value > 1e-3, p_value
 
 
 def test_chi_square_catches_a_broken_verifier(tgt, prompt, monkeypatch, all_cores):

@@ -80,7 +80,7 @@ class Engine:
     def __init__(self, target_model, tokenizer, drafter=None, gamma: int = 7, policy: str = "greedy",
                  sps: Optional[SPSTable] = None, max_batch: int = 8, max_queue: int = 32, static_len: int = 4,
                  threshold: float = 0.5, calibration: Optional[Calibration] = None,
-                 observer: Optional[Callable[[list], None]] = None, metrics=None):
+                 observer: Optional[Callable[[list], None]] = None, metrics=None, idle_probe: int = 0):
         if policy not in POLICIES:
             raise ValueError(f"policy: {policy!r} not in {POLICIES}")
         self.tok = tokenizer
@@ -88,7 +88,7 @@ class Engine:
         self.policy_name = policy
         self.decoder = SpeculativeDecoder(target_model, drafter if policy != "none" else None, gamma,
                                           make_policy(policy, self.sps, static_len, threshold), max_slots=max_batch,
-                                          calibration=calibration)
+                                          calibration=calibration, idle_probe=idle_probe)
         self.max_queue = max_queue
         self.max_positions = target_model.config.max_position_embeddings
         self.observer, self.metrics = observer, metrics

@@ -66,7 +66,8 @@ class Request:
 
 class SpeculativeDecoder:
     def __init__(self, target_model, drafter: Drafter | None = None, gamma: int = 7, policy: Policy = full_length,
-                 max_slots: int = 16, calibration: Optional[Calibration] = None, capacity: int = 512):
+                 max_slots: int = 16, calibration: Optional[Calibration] = None, capacity: int = 512,
+                 idle_probe: int = 0):
         self.drafter, self.gamma, self.policy = drafter, gamma if drafter is not None else 0, policy
         taps = drafter.c.tap_layers if drafter is not None else []
         self.runner = TargetRunner(target_model, taps, max_slots=max_slots, capacity=capacity)
@@ -74,6 +75,11 @@ class SpeculativeDecoder:
         self.active: list[Request] = []
         self.drafter_error: str | None = None  # set when the drafter failed and decoding fell back to the target
         self.last_survival: Optional[torch.Tensor] = None  # (R, gamma) of the latest round, for observers
+        # After a round in which the policy verified no draft at all (high load: a verified token costs
+        # more throughput than it is expected to return), skip the drafter for `idle_probe` rounds, then
+        # draft again to re-check. Lossless: the skip depends only on past rounds, never on the
+        # current drafts, and a skipped round is plain target sampling.
+        self.idle_probe, self.idle_left = idle_probe, 0
 
     # -- requests
     def add(self, req: Request) -> None:
@@ -141,7 +147,9 @@ class SpeculativeDecoder:
         lengths = [0] * len(reqs)
         survival = conf_logits = None
         prop = None
-        if self.gamma:
+        if self.gamma and self.idle_left > 0:
+            self.idle_left -= 1
+        elif self.gamma:
             t0 = time.perf_counter()
             sampler = BatchSampler([r.sp for r in reqs], [r.gen for r in reqs])
             try:
@@ -161,11 +169,13 @@ class SpeculativeDecoder:
                 survival = torch.sigmoid(logit).cumprod(-1).cpu()  # a_{r,k} = prod_{i<=k} c_{r,i}
             lengths = [max(0, min(self.gamma, int(x))) for x in self.policy(survival, len(reqs), self.gamma)]
             self.last_survival = survival
+            if sum(lengths) == 0:
+                self.idle_left = self.idle_probe
             dt = (time.perf_counter() - t0) / len(reqs)
             for r in reqs:
                 r.draft_s += dt
         t0 = time.perf_counter()
-        seqs = [torch.cat([anchors[i:i + 1], drafts[i, :lengths[i]]]) if self.gamma else anchors[i:i + 1]
+        seqs = [torch.cat([anchors[i:i + 1], drafts[i, :lengths[i]]]) if drafts is not None else anchors[i:i + 1]
                 for i in range(len(reqs))]
         starts = [self.runner.lengths[r.slot] for r in reqs]
         out = self.runner.forward([r.slot for r in reqs], seqs)
