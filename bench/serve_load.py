@@ -1,6 +1,7 @@
 """HTTP load on the Ray Serve application (loopback only, bounded in requests and time): aggregate
 tokens/s, per-user tokens/s, p50/p99 latency and mean verification budget at concurrency 1..32 for
-target-only decoding, a static gamma, and DSpark with the adaptive (Algorithm 1) scheduler.
+target-only decoding, a static gamma, and DSpark with the adaptive (Algorithm 1) scheduler, with and
+without skipping the drafter after rounds that verified nothing (serve.idle_probe_rounds).
 
     python bench/serve_load.py --drafter results/comparison/dspark [--concurrency 1,2,4,8,16,32]
 
@@ -76,7 +77,8 @@ def main():
                for ids in evaluation.prompts_for(cfg, corpus, d, "heldout", 32, tok)]
     conc = [int(c) for c in args.concurrency.split(",")]
     modes = {"target-only": ["serve.policy=none"], "static gamma=4": ["serve.policy=static", "serve.static_len=4"],
-             "dspark adaptive": ["serve.policy=greedy"]}
+             "dspark adaptive": ["serve.policy=greedy"],
+             "dspark adaptive, drafting every round": ["serve.policy=greedy", "serve.idle_probe_rounds=0"]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
@@ -90,7 +92,7 @@ def main():
         for c in conc:
             results[mode][c] = asyncio.run(load(url, prompts, c, args.seconds, args.requests, args.max_tokens))
             r = results[mode][c]
-            print(f"{mode:16s} C={c:3d}: {r['tok_s']:7.1f} tok/s total, {r['per_user_tok_s']:6.1f} tok/s per user, "
+            print(f"{mode:38s} C={c:3d}: {r['tok_s']:7.1f} tok/s total, {r['per_user_tok_s']:6.1f} tok/s per user, "
                   f"p50 {r['p50']:.2f}s p99 {r['p99']:.2f}s, budget {r['budget']:.2f} ({r['requests']} requests)", flush=True)
         serve.delete("dspark")
     serve.shutdown()
