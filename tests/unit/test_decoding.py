@@ -17,7 +17,7 @@ from scipy import stats
 from dspark import target as targets
 from dspark.decoding import speculative as spec
 from dspark.decoding.runner import TargetRunner
-from dspark.decoding.sampling import SamplingParams, probs
+from dspark.decoding.sampling import BatchSampler, SamplingParams, probs
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.models import DrafterConfig, build_drafter
 from dspark.models.drafter import Drafter, Proposal
@@ -232,6 +232,17 @@ def test_skipping_the_drafter_after_an_idle_round_keeps_the_target_distribution(
     assert 0.2 < skipped < 0.5 and any(r.verified == 4 for r in rounds)  # both kinds of round happened
     assert all(r.verified == 0 for r in rounds if r.conf_logit is None)
     assert power >= 0.9 and p_value > 1e-3, p_value
+
+
+def test_batch_sampler_draws_each_row_from_its_own_distribution():
+    p = torch.tensor([0.5, 0.0, 0.3, 0.2])
+    logits = p.log().expand(4000, 4)  # row 4000k+r: request r's k-th draw
+    params = [SamplingParams(1.0)] * 3999 + [SamplingParams(0.0)]  # the last request is greedy
+    sampler = BatchSampler(params, [torch.Generator().manual_seed(i) for i in range(4000)])
+    toks = torch.cat([sampler(logits)[0] for _ in range(5)]).view(5, 4000)
+    assert (toks[:, -1] == 0).all()  # greedy: the argmax, always
+    freq = torch.bincount(toks[:, :-1].flatten(), minlength=4).double() / toks[:, :-1].numel()
+    assert freq[1] == 0 and (freq - p.double()).abs().max() < 4 * (0.25 / toks[:, :-1].numel()) ** 0.5, freq
 
 
 def test_chi_square_catches_a_broken_verifier(tgt, prompt, monkeypatch, all_cores):

@@ -64,7 +64,12 @@ class BatchSampler:
         self.params, self.generators = params, generators
 
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = [probs(logits[r], sp) for r, sp in enumerate(self.params)]
-        toks = [row.argmax() if sp.greedy else draw(row.cpu()[None], g)[0]
-                for row, sp, g in zip(rows, self.params, self.generators)]
-        return torch.stack(toks).to(logits.device), torch.stack(rows)
+        rows = torch.stack([probs(logits[r], sp) for r, sp in enumerate(self.params)])  # (R, V)
+        # Inverse-CDF sampling: one uniform per request from its own generator, then ONE batched search
+        # (one multinomial call per request and draft position dominated a drafting round). Token i is
+        # returned iff cdf[i-1] <= u * total < cdf[i], i.e. with probability p_i; greedy rows are
+        # one-hot, so they return their argmax. float64 keeps the CDF's rounding far below any p_i.
+        u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in self.generators])  # (R,)
+        cdf = rows.detach().to("cpu", torch.float64).cumsum(-1)  # (R, V)
+        toks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=rows.shape[-1] - 1)
+        return toks.to(logits.device), rows
