@@ -90,10 +90,14 @@ def calibration_study(cfg, target, drafter, corpus, log=print) -> dict:
     online calibration actor converges to when traffic is that domain. Plus the threshold sweep."""
     ec = cfg.eval
     eos = target.tokenizer.eos_token_id
-    rounds = lambda prompts, seed: calibration_rounds(target.model, drafter, prompts, ec.gamma,  # noqa: E731
-                                                      ec.calibration_max_new_tokens, eos, seed, ec.calibration_batch)
-    prompts = lambda d, split: prompts_for(cfg, corpus, d, split, ec.calibration_prompts_per_domain,  # noqa: E731
-                                           target.tokenizer)
+
+    def rounds(ps: list[list[int]], seed: int) -> sts.Observations:
+        return calibration_rounds(target.model, drafter, ps, ec.gamma, ec.calibration_max_new_tokens, eos, seed,
+                                  ec.calibration_batch)
+
+    def prompts(domain: str, split: str) -> list[list[int]]:
+        return prompts_for(cfg, corpus, domain, split, ec.calibration_prompts_per_domain, target.tokenizer)
+
     t0 = time.perf_counter()
     fit_obs = sts.Observations.concat([rounds(prompts(d, "validation"), 10_000) for d in ("code", "prose")])
     fitted = {"sts": sts.fit(fit_obs, bias=False), "sts_bias": sts.fit(fit_obs, bias=True)}
@@ -131,7 +135,10 @@ def calibration_study(cfg, target, drafter, corpus, log=print) -> dict:
 def calibration_markdown(cal_by: dict) -> str:
     rows = ["| drafter | domain | rounds | k | observed | ECE raw | STS | STS+offset | matched STS | matched STS+offset "
             "| floor | AUROC | Brier raw / STS+offset |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    pct = lambda x: f"{100 * x:.2f}%"  # noqa: E731
+
+    def pct(x: float) -> str:
+        return f"{100 * x:.2f}%"
+
     for name, cal in cal_by.items():
         for dom, d in cal["domains"].items():
             rows += [f"| {name} | {dom} | {d['rounds']} | {p['k']} | {p['observed']:.3f} | {pct(p['ece_raw'])} | "
