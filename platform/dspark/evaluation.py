@@ -227,15 +227,16 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
     ec = cfg.eval
     eos = target.tokenizer.eos_token_id
     results: list[RunResult] = []
-    cal_by: dict = {}
+    cal_by: dict = {}  # name -> the calibration study (JSON)
+    shipped: dict = {}  # name -> the Calibration saved with the drafter
     for name, drafter in drafters.items():
         if calibrate and drafter.has_confidence:
             cal = cal_by[name] = calibration_study(cfg, target, drafter, corpus, log)
-            plot_reliability({f"{name} ({d})": o for d, o in cal.pop("obs").items()},
-                             sts.Calibration.from_dict(cal["calibration"]), out_dir / f"reliability_{name}.png")
+            shipped[name] = sts.Calibration.from_dict(cal["calibration"])
+            plot_reliability({f"{name} ({d})": o for d, o in cal.pop("obs").items()}, shipped[name],
+                             out_dir / f"reliability_{name}.png")
             plot_sweep({f"{name} ({d})": v["threshold_sweep"] for d, v in cal["domains"].items()},
                        out_dir / f"threshold_sweep_{name}.png")
-    shipped = {name: sts.Calibration.from_dict(c["calibration"]) for name, c in cal_by.items()}
     for domain in ("code", "prose"):
         prompts = prompts_for(cfg, corpus, domain, "heldout", ec.prompts_per_domain, target.tokenizer)
         for t in ec.temperatures:
