@@ -105,6 +105,7 @@ def stage_eval(cfg: Config, storage, tracker) -> dict:
         if ev["calibrations"]:
             sts.save(local / "calibration.json", ev["calibrations"]["dspark"], {"fitted_on": "validation split, T=1"})
             storage.upload_dir(local, uri)
+    evaluation.log_results(tracker, ev, out, prefix="eval.", artifact_path="eval")
     print((out / "results.md").read_text().rstrip())
     print(f"[eval] plots and JSON in {out}")
     return {"results": [r.__dict__ for r in ev["results"]]}
