@@ -144,7 +144,7 @@ class TrainConfig(Section):
 class EvalConfig(Section):
     """Offline evaluation (jobs/evaluate.py)."""
 
-    gamma: int = Field(7, ge=1)
+    gamma: Optional[int] = Field(None, ge=1)  # None = each drafter's trained gamma (its config.json)
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0])
     max_new_tokens: int = Field(96, ge=1)
     prompts_per_domain: int = Field(32, ge=1)
@@ -166,11 +166,14 @@ class ServeConfig(Section):
     port: int = Field(8000, ge=1, le=65535)
     model_name: str = "dspark-builtin"  # the name clients pass as `model`
     drafter_uri: str = ""  # "" = serve the target alone
-    gamma: int = Field(7, ge=1)
+    gamma: Optional[int] = Field(None, ge=1)  # None = the drafter's trained gamma (its config.json)
     policy: Literal["none", "static", "threshold", "greedy", "async"] = "greedy"
     static_len: int = Field(4, ge=0)
     threshold: float = Field(0.5, gt=0, lt=1)
-    max_batch: int = Field(8, ge=1)  # concurrent requests per engine replica
+    max_batch: int = Field(8, ge=1)  # concurrent requests per engine replica (one KV slot each)
+    # tokens (prompt + max_tokens) one request may hold; KV memory is bounded by max_batch x max_len.
+    # 0 = the target's max_position_embeddings. Longer requests get a 400 naming the limit.
+    max_len: int = Field(4096, ge=0)
     max_queue: int = Field(32, ge=0)  # waiting requests per replica before 429
     max_tokens_default: int = Field(128, ge=1)
     num_replicas: int = Field(1, ge=1)

@@ -29,7 +29,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class TargetRunner:
-    def __init__(self, model, tap_layers: list[int], max_slots: int = 8, capacity: int = 512):
+    def __init__(self, model, tap_layers: list[int], max_slots: int = 8, capacity: int = 512, max_len: int = 0):
+        """capacity: initial KV positions per slot (grown on demand); max_len: the most positions a slot
+        may ever hold (0 = the target's max_position_embeddings), which bounds the cache's memory at
+        max_slots x max_len positions per layer."""
         cfg = model.config
         if getattr(cfg, "use_sliding_window", False):
             raise UserError("target: sliding-window attention is not supported by the decoding runner")
@@ -41,6 +44,8 @@ class TargetRunner:
         self.kvh = cfg.num_key_value_heads
         self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.max_positions = cfg.max_position_embeddings
+        self.max_len = min(max_len or self.max_positions, self.max_positions)
+        capacity = min(capacity, self.max_len)
         self.k = [torch.zeros(max_slots, self.kvh, capacity, self.hd, device=self.device, dtype=self.dtype)
                   for _ in self.layers]
         self.v = [torch.zeros_like(t) for t in self.k]
@@ -65,15 +70,17 @@ class TargetRunner:
         self.lengths[slot] = length
 
     def _ensure(self, need: int) -> None:
+        """Grow every layer's cache to hold `need` positions: all new buffers are allocated before any
+        is swapped in, so running out of memory leaves the old cache whole."""
         cap = self.k[0].shape[2]
         if need <= cap:
             return
-        new_cap = max(need, 2 * cap)
-        for i in range(len(self.k)):
-            for store in (self.k, self.v):
-                grown = store[i].new_zeros(*store[i].shape[:2], new_cap, self.hd)
-                grown[:, :, :cap] = store[i]
-                store[i] = grown
+        new_cap = min(max(need, 2 * cap), self.max_len)
+        grown = [[t.new_zeros(*t.shape[:2], new_cap, self.hd) for t in store] for store in (self.k, self.v)]
+        for store, new in zip((self.k, self.v), grown):
+            for i, t in enumerate(new):
+                t[:, :, :cap] = store[i]
+                store[i] = t
 
     # -- forward
     @torch.no_grad()
@@ -83,8 +90,8 @@ class TargetRunner:
         R, nmax = len(slots), max(n)
         start = [self.lengths[s] for s in slots]
         end = [a + b for a, b in zip(start, n)]
-        if max(end) > self.max_positions:
-            raise UserError(f"context of {max(end)} tokens exceeds the target's {self.max_positions} positions")
+        if max(end) > self.max_len:
+            raise UserError(f"context of {max(end)} tokens exceeds the limit of {self.max_len} positions per request")
         self._ensure(max(end))
         ids = torch.cat(tokens).to(self.device)  # (Ttot,)
         pos = torch.cat([torch.arange(a, b) for a, b in zip(start, end)]).to(self.device)  # (Ttot,)
