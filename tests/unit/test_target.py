@@ -158,9 +158,9 @@ def test_mask_and_pad_tokens_are_configurable_and_checked(builtin):
 
 def test_default_mask_is_an_unused_special_token_and_pad_falls_back_to_eos(builtin):
     tok = copy.deepcopy(builtin.tokenizer)
-    tok.mask_token, tok.pad_token = None, None  # a tokenizer that has neither (like Llama's)
+    tok.mask_token, tok.pad_token, tok.bos_token = None, None, None  # none of them, like Llama's (no BOS: Qwen's)
     targets.prepare_tokenizer(tok, builtin.config.vocab_size)
-    assert tok.mask_token == MASK  # special, and the chat template never writes it (unlike <|user|> etc.)
+    assert tok.bos_token_id is None and tok.mask_token == MASK  # special, and the chat template never writes it (unlike <|user|> etc.)
     assert tok.pad_token_id == tok.eos_token_id
     none_free = copy.deepcopy(builtin.tokenizer)
     none_free.mask_token = None
