@@ -134,7 +134,9 @@ class SpeculativeEngine:
         self.plock = threading.Lock()
         self.engine = Engine(tgt.model, tgt.tokenizer, drafter, self.gamma, sc.policy, sps, sc.max_batch, sc.max_queue,
                              sc.static_len, sc.threshold, start, observer=self._observe if self.calibration else None,
-                             metrics=self.metrics, idle_probe=sc.idle_probe_rounds, max_len=sc.max_len)
+                             metrics=self.metrics, idle_probe=sc.idle_probe_rounds, max_len=sc.max_len,
+                             stop_ids=tgt.eos_token_ids)
+        self.chat_template_kwargs = cfg.target.chat_template_kwargs
         self.sps, self.tokenizer, self.model_name = sps, tgt.tokenizer, sc.model_name
         self.cal_version = -1
         if self.calibration:
@@ -165,10 +167,13 @@ class SpeculativeEngine:
 
     # -- requests
     def encode(self, body: dict) -> list[int]:
+        """Chat: the target's own chat template. Completions: the raw text after BOS (when the target has one)."""
+        from dspark.corpus.tokenizer import chat_ids
+
         if "messages" in body:
-            text = self.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return [self.tokenizer.bos_token_id] + self.tokenizer.encode(body["prompt"], add_special_tokens=False)
+            return chat_ids(self.tokenizer, body["messages"], chat_template_kwargs=self.chat_template_kwargs)
+        bos = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
+        return bos + self.tokenizer.encode(body["prompt"], add_special_tokens=False)
 
     async def generate(self, body: dict) -> AsyncIterator[tuple]:
         """Streams ("text", delta) events, then ("done", info) or ("error", message, status)."""

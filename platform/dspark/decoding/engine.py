@@ -75,13 +75,14 @@ class Engine:
                  sps: Optional[SPSTable] = None, max_batch: int = 8, max_queue: int = 32, static_len: int = 4,
                  threshold: float = 0.5, calibration: Optional[Calibration] = None,
                  observer: Optional[Callable[[list], None]] = None, metrics=None, idle_probe: int = 0,
-                 max_len: int = 0):
+                 max_len: int = 0, stop_ids: tuple[int, ...] = ()):
         if policy not in POLICIES:
             raise ValueError(f"policy: {policy!r} not in {POLICIES}")
         drafting = drafter is not None and policy != "none"
         if calibration is not None and drafting:
             calibration.check(gamma)
         self.tok = tokenizer
+        self.stop_ids = tuple(stop_ids) or (tokenizer.eos_token_id,)  # every EOS id of the target
         self.sps = sps or SPSTable.synthetic("smooth")
         self.policy_name = policy
         self.max_batch = max_batch
@@ -118,7 +119,7 @@ class Engine:
             if len(self.waiting) >= self.max_queue:
                 raise Overloaded(f"{len(self.waiting)} requests already waiting (max_queue={self.max_queue})")
             req = Request(list(prompt_ids), sp, max_tokens, secrets.randbelow(MAX_SEED) if seed is None else seed,
-                          (self.tok.eos_token_id,), reproducible=seed is not None)
+                          self.stop_ids, reproducible=seed is not None)
             s = Stream(req, stop or [], lambda ids: self.tok.decode(ids, skip_special_tokens=True),
                        id=f"cmpl-{next(self.ids)}")
             self.waiting.append(s)
@@ -210,7 +211,7 @@ class Engine:
         s.sent_tokens = len(out)
         if s.req.done or s.finish_reason == "stop":
             if s.finish_reason is None:
-                s.finish_reason = "stop" if out and out[-1] == self.tok.eos_token_id else "length"
+                s.finish_reason = "stop" if out and out[-1] in self.stop_ids else "length"
             if s.finish_reason == "stop" and not s.req.done:
                 self.decoder.cancel(s.req)
             if len(text) > len(s.sent_text):
