@@ -19,6 +19,7 @@ def run_job(script, *args):
     (["--set", "target_train.bogus=1"], "target_train.bogus: unknown key"),
     (["--set", "target_train.lr=fast"], "target_train.lr:"),
     (["--config", "/nonexistent/cfg.yaml"], "config file not found: /nonexistent/cfg.yaml"),
+    (["--set", "cache.layers=[1,"], "override cache.layers: the value is not valid YAML"),
 ])
 def test_train_target_rejects_bad_config(args, named):
     out = run_job("train_target.py", *args)
