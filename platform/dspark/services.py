@@ -86,13 +86,19 @@ def _kill_group(pid: int, grace_s: float = 15.0) -> None:
             time.sleep(0.2)
 
 
-def _started(pid: int) -> float | None:
+def process_started(pid: int) -> float | None:
     """When process `pid` started (seconds since the epoch; ticks of 10 ms), None when there is none.
     A pid and its start time name one process: a reused pid has a later start time."""
     try:
         return psutil.Process(pid).create_time()
     except psutil.Error:
         return None
+
+
+def is_process(pid: int, started: float) -> bool:
+    """Whether `pid` is still the process that started at `started` (not another that reused the pid)."""
+    now = process_started(pid)
+    return now is not None and abs(now - started) < 0.01
 
 
 @dataclass
@@ -103,12 +109,11 @@ class ServiceState:
     env: dict[str, str] = field(default_factory=dict)  # what clients need to reach the service
     ready_s: float = 0.0
     version: str = ""
-    started: float = 0.0  # the process's start time (_started): with pid, identifies the process
+    started: float = 0.0  # the process's start time (process_started): with pid, identifies the process
 
     def running(self) -> bool:
         """Whether pid is still the process this state recorded (not one that reused its pid)."""
-        now = _started(self.pid)
-        return now is not None and abs(now - self.started) < 0.01
+        return is_process(self.pid, self.started)
 
 
 class Service:
@@ -176,7 +181,7 @@ class Service:
         with open(log, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True, cwd=self.dir)
-        st = ServiceState(self.name, proc.pid, ports, self.client_env(ports), started=_started(proc.pid) or 0.0)
+        st = ServiceState(self.name, proc.pid, ports, self.client_env(ports), started=process_started(proc.pid) or 0.0)
         try:
             st.ready_s = _wait(lambda: self.healthy(st), timeout, self.name, proc, log, t0)
             st.version = self.version()
@@ -195,7 +200,7 @@ class Service:
         if st.running():
             _kill_group(st.pid, self.grace_s)
             done = "stopped"
-        elif _started(st.pid) is None:
+        elif process_started(st.pid) is None:
             done = f"not running (pid {st.pid} has exited)"
         elif not st.started:
             done = f"pid {st.pid} left alone: the state file has no start time to identify it (stop it yourself if it is {self.name})"
