@@ -260,6 +260,13 @@ def _describe(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's multi-line message as one line: the problem and where (line, column)."""
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    return f"{getattr(err, 'problem', None) or str(err).splitlines()[0]}{where}"
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     tree: dict = {}
     if path is not None:
@@ -267,9 +274,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(e)}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {p}: top level must be a mapping of sections")
         tree = loaded or {}
@@ -277,7 +286,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override '{item}' must look like section.key=value")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {key.strip()}: the value is not valid YAML: {_yaml_problem(e)}") from None
+        _set_dotted(tree, key.strip(), value)
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
