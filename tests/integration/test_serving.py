@@ -119,6 +119,9 @@ def test_bad_requests_are_rejected_naming_the_problem(server, body, status, name
 
 def test_auth_overload_and_disconnect_leave_the_server_healthy(server):
     assert httpx.post(server + "/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert httpx.post(server + "/v1/completions", content=b"{not json").status_code == 401  # auth before parsing
+    assert [httpx.get(server + p).status_code for p in ("/v1/models", "/v1/engine", "/v1/calibration", "/health")] == \
+        [401, 401, 401, 200]
 
     async def flood():
         async with httpx.AsyncClient(timeout=300) as client:
@@ -134,7 +137,7 @@ def test_auth_overload_and_disconnect_leave_the_server_healthy(server):
         next(r.iter_lines())  # read one event, then drop the connection
     deadline = time.time() + 30
     while time.time() < deadline:
-        state = httpx.get(server + "/v1/engine").json()
+        state = httpx.get(server + "/v1/engine", headers=H).json()
         if state["active"] == 0 and state["waiting"] == 0:
             break
         time.sleep(0.5)
@@ -148,7 +151,7 @@ def test_calibration_actor_collects_live_outcomes(server):
         httpx.post(server + "/v1/completions", headers=H, json={"prompt": f"v{i} = ", "max_tokens": 48}, timeout=120)
     deadline = time.time() + 30
     while time.time() < deadline:
-        stats = httpx.get(server + "/v1/calibration").json()
+        stats = httpx.get(server + "/v1/calibration", headers=H).json()
         if stats["rounds_total"] > 0:
             break
         time.sleep(1)
