@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 # OpenAI request fields beyond the schemas below. Features we do not implement are refused (400 naming
@@ -25,6 +25,18 @@ def _off(value: Any, neutral: tuple) -> bool:
     return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral)
 
 
+def _encodable(v: str) -> str:
+    """JSON can carry lone surrogates (\\ud800) that no tokenizer accepts."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PydanticCustomError("unicode", "not valid Unicode (it holds a lone surrogate)") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")  # unknown fields are a 400 naming them
 
@@ -34,7 +46,7 @@ class _Sampling(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)
     seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)  # None: the engine picks a random seed
-    stop: Optional[Union[str, list[str]]] = None
+    stop: Optional[Union[Text, list[Text]]] = None
     stream: bool = False
     n: int = Field(1, ge=1, le=1)
 
@@ -65,12 +77,12 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str = Field(min_length=1)
+    prompt: Text = Field(min_length=1)
 
 
 class Message(BaseModel):
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Text
 
 
 class ChatRequest(_Sampling):

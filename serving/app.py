@@ -265,7 +265,7 @@ async def _http(request: Request, exc: StarletteHTTPException):
 
 @api.exception_handler(Exception)
 async def _internal(request: Request, exc: Exception):
-    log.exception("unhandled error in %s %s", request.method, request.url.path)
+    log.error("unhandled error in %s %s: %r", request.method, request.url.path, exc)  # the server logs the trace
     return _error(503 if isinstance(exc, UNAVAILABLE) else 500, f"internal error ({type(exc).__name__})")
 
 

@@ -190,7 +190,9 @@ def test_api_key_guards_every_route_but_health_before_the_body_is_read(monkeypat
 def test_bad_bodies_are_400_without_a_key(monkeypatch):
     c = client(monkeypatch, Engine(("text", "ab"), DONE))
     for body, named in ((b"{not json", "not valid JSON"), (b"[]", "JSON object"), (b"null", "JSON object"),
-                        (b'{"prompt": 3}', "prompt"), (b'{"messages": []}', "messages")):
+                        (b'{"prompt": 3}', "prompt"), (b'{"messages": []}', "messages"),
+                        (b'{"prompt": "\\ud800"}', "prompt"),  # a lone surrogate: no tokenizer takes it
+                        (b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', "messages.0.content")):
         route = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
         r = c.post(route, content=body, headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and named in r.json()["error"]["message"], (body, r.text)
