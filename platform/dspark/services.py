@@ -4,8 +4,9 @@
 - ray:         a local Ray head with the dashboard, for `ray job submit`
 - mlflow:      an MLflow tracking server over the SQLite store (jobs can also use the store directly)
 
-Each service keeps its data and a state file (pid, ports) under one folder, and is stopped by its
-own process group, never by `ray stop` or name matching.
+Each service keeps its data and a state file (pid, process start time, ports) under one folder, and
+is stopped by its own process group, never by `ray stop` or name matching; a pid that now belongs to
+another process (the service died, the pid was reused) is never signalled.
 
     python -m dspark.services start [objectstore ray mlflow]
     python -m dspark.services status | stop | env
@@ -27,7 +28,9 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dspark.config import LOCAL_DIR
+import psutil
+
+from dspark.config import LOCAL_DIR, run_main
 from dspark.errors import UserError
 
 DEFAULT_DIR = LOCAL_DIR / "services"
@@ -91,12 +94,19 @@ def _kill_group(pid: int, grace_s: float = 15.0) -> None:
             time.sleep(0.2)
 
 
-def _alive(pid: int) -> bool:
+def process_started(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch; ticks of 10 ms), None when there is none.
+    A pid and its start time name one process: a reused pid has a later start time."""
     try:
-        os.kill(pid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def is_process(pid: int, started: float) -> bool:
+    """Whether `pid` is still the process that started at `started` (not another that reused the pid)."""
+    now = process_started(pid)
+    return now is not None and abs(now - started) < 0.01
 
 
 @dataclass
@@ -107,6 +117,11 @@ class ServiceState:
     env: dict[str, str] = field(default_factory=dict)  # what clients need to reach the service
     ready_s: float = 0.0
     version: str = ""
+    started: float = 0.0  # the process's start time (process_started): with pid, identifies the process
+
+    def running(self) -> bool:
+        """Whether pid is still the process this state recorded (not one that reused its pid)."""
+        return is_process(self.pid, self.started)
 
 
 class Service:
@@ -141,11 +156,22 @@ class Service:
         pass
 
     # -- lifecycle
-    def state(self) -> ServiceState | None:
+    def recorded(self) -> ServiceState | None:
+        """What the state file says, None without one; a damaged file is an error naming it."""
         if not self.state_file.is_file():
             return None
-        st = ServiceState(**json.loads(self.state_file.read_text()))
-        return st if _alive(st.pid) else None
+        try:
+            st = ServiceState(**json.loads(self.state_file.read_text()))
+            if not isinstance(st.pid, int) or st.pid <= 0 or not isinstance(st.started, (int, float)):
+                raise ValueError(f"pid {st.pid!r}, started {st.started!r}")
+        except (ValueError, TypeError) as e:  # bad JSON or UTF-8, missing or unknown fields
+            raise UserError(f"state file {self.state_file} is damaged ({str(e).splitlines()[0]}); "
+                            f"delete it once no {self.name} process of this folder runs") from None
+        return st
+
+    def state(self) -> ServiceState | None:
+        st = self.recorded()
+        return st if st and st.running() else None
 
     def start(self, timeout: float = 240.0, ports: dict[str, int] | None = None) -> ServiceState:
         """Start (or find running) the service; `ports` pins the ports, e.g. to restart in place."""
@@ -163,7 +189,7 @@ class Service:
         with open(log, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True, cwd=self.dir)
-        st = ServiceState(self.name, proc.pid, ports, self.client_env(ports))
+        st = ServiceState(self.name, proc.pid, ports, self.client_env(ports), started=process_started(proc.pid) or 0.0)
         try:
             st.ready_s = _wait(lambda: self.healthy(st), timeout, self.name, proc, log, t0)
             st.version = self.version()
@@ -174,11 +200,22 @@ class Service:
         _write_private(self.state_file, json.dumps(asdict(st), indent=2))  # its env holds the credentials
         return st
 
-    def stop(self) -> None:
-        if self.state_file.is_file():
-            st = ServiceState(**json.loads(self.state_file.read_text()))
+    def stop(self) -> str:
+        """Stop the recorded process (and its group) if it is still the one that was started; says what it did."""
+        st = self.recorded()
+        if st is None:
+            return "not running"
+        if st.running():
             _kill_group(st.pid, self.grace_s)
-            self.state_file.unlink(missing_ok=True)
+            done = "stopped"
+        elif process_started(st.pid) is None:
+            done = f"not running (pid {st.pid} has exited)"
+        elif not st.started:
+            done = f"pid {st.pid} left alone: the state file has no start time to identify it (stop it yourself if it is {self.name})"
+        else:
+            done = f"not running (pid {st.pid} now belongs to another process: left alone)"
+        self.state_file.unlink(missing_ok=True)
+        return done
 
     def outage(self, seconds: float) -> ServiceState:
         """Kill the service hard, stay down for `seconds`, come back on the same ports with the same
@@ -308,9 +345,10 @@ class RayHead(Service):
         return bool(gcs.internal_kv_keys(DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX.encode(), KV_NAMESPACE_DASHBOARD, timeout=2))
 
 
-    def stop(self) -> None:
-        super().stop()
+    def stop(self) -> str:
+        done = super().stop()
         shutil.rmtree(self.temp_dir(), ignore_errors=True)  # Ray's session logs and sockets
+        return done
 
 
 class MLflowServer(Service):
@@ -353,6 +391,11 @@ def client_env(root: Path = DEFAULT_DIR) -> dict[str, str]:
 
 
 def main(argv=None) -> None:
+    """Command line (also the `dspark-services` script): errors are one line and exit code 2."""
+    run_main(_cli, argv)
+
+
+def _cli(argv=None) -> None:
     p = argparse.ArgumentParser(description="Start, stop and check the project's local services.")
     p.add_argument("action", choices=["start", "stop", "status", "env"])
     p.add_argument("services", nargs="*", default=[], help=f"subset of {list(SERVICES)} (default: objectstore ray)")
@@ -371,8 +414,7 @@ def main(argv=None) -> None:
             print(f"{s.name}: ready in {st.ready_s:.1f}s, pid {st.pid}, ports {st.ports} {st.version}")
     elif args.action == "stop":
         for s in objs:
-            s.stop()
-            print(f"{s.name}: stopped")
+            print(f"{s.name}: {s.stop()}")
     elif args.action == "status":
         bad = 0
         for s in objs:
@@ -394,8 +436,4 @@ def _safe(check) -> bool:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    main()

@@ -89,12 +89,21 @@ class Storage:
         )
         return fs, self.path_of(uri)
 
+    @staticmethod
+    def same_place(a: str, b: str) -> bool:
+        """Whether two URIs name the same folder (local paths compared after resolving links)."""
+        if Storage.is_remote(a) or Storage.is_remote(b):
+            return Storage.is_remote(a) and Storage.is_remote(b) and Storage.path_of(a) == Storage.path_of(b)
+        return Path(Storage.path_of(a)).resolve() == Path(Storage.path_of(b)).resolve()
+
     def upload_dir(self, local: str | Path, uri: str) -> None:
-        """Copy a local folder's files to uri (a local path or s3:// prefix)."""
+        """Copy a local folder's files to uri (a local path or s3:// prefix); nothing to do when uri is
+        that folder (a local storage root hands out its own folders, see download_dir)."""
         import shutil
 
         if not self.is_remote(uri):
-            shutil.copytree(local, self.path_of(uri), dirs_exist_ok=True)
+            if not self.same_place(str(local), uri):
+                shutil.copytree(local, self.path_of(uri), dirs_exist_ok=True)
             return
         fs, path = self.fsspec_fs(uri)
         for f in sorted(Path(local).iterdir()):

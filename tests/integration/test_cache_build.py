@@ -1,5 +1,6 @@
 """The cache pipeline for real: Ray Data actors build shards through s3:// on the local object store,
-a streaming Ray Data read decodes them, and a build killed mid-way finishes on rerun."""
+a streaming Ray Data read decodes them (and verifies their checksums), a build killed mid-way
+finishes on rerun, a rerun with other settings is refused, and the builder's lock works on S3."""
 import os
 import signal
 import subprocess
@@ -13,8 +14,11 @@ import torch
 
 from dspark import target as targets
 from dspark.cache.build import build_cache, cache_uri
+from dspark.cache.format import MANIFEST
+from dspark.cache.lock import CacheLock
 from dspark.cache.read import check_shards, dataset, decode_batch, open_cache
 from dspark.config import load_config
+from dspark.errors import UserError
 from dspark.services import BUCKET
 from dspark.storage import Storage
 from dspark.target.taps import extract
@@ -99,3 +103,42 @@ def test_killed_build_resumes_without_partial_or_duplicate_rows(ray_local, tmp_p
     assert after == before  # finished shards were not rewritten
     leftovers = fs.get_file_info(pafs.FileSelector(f"{root}/_tmp", allow_not_found=True))
     assert leftovers == []
+
+
+def test_rerun_with_other_settings_is_refused_and_a_damaged_shard_stops_the_read(ray_local):
+    cfg = _cfg("settings", "cache.max_examples=6")
+    storage = Storage.from_config(cfg.storage)
+    fs, root = storage.pyarrow_fs(cache_uri(cfg))
+    first = build_cache(cfg)
+    fs.delete_file(f"{root}/{MANIFEST}")  # the build died before its manifest: every shard is published
+    for extra, named in ((["cache.codec=fp8"], "codec: 'bf16' there, 'fp8' now"),
+                         (["cache.temperature=0"], "generation.temperature: 0.8 there, 0.0 now"),
+                         (["cache.shard_rows=2"], "which examples each shard holds")):
+        with pytest.raises(UserError, match="holds shards built with other settings") as e:
+            build_cache(_cfg("settings", "cache.max_examples=6", *extra))
+        assert named in str(e.value) and "\n" not in str(e.value)
+    again = build_cache(cfg, log_fn=lambda line: None)  # the original settings: finished without rebuilding
+    assert again.shards == first.shards and again.codec == "bf16"
+
+    with fs.open_input_stream(f"{root}/shard-00001.parquet") as f:
+        data = bytearray(f.read())
+    data[len(data) // 2] ^= 0xFF  # same size, footer intact: only the checksum can tell
+    with fs.open_output_stream(f"{root}/shard-00001.parquet") as f:
+        f.write(bytes(data))
+    cache = open_cache(cache_uri(cfg), storage)
+    with pytest.raises(Exception, match=r"shard s3://dspark/it/caches/settings/shard-00001.parquet is damaged: sha256"):
+        for _ in dataset(cache).iter_batches(batch_size=4, batch_format="numpy"):
+            pass
+
+
+def test_the_lock_is_exclusive_on_the_object_store(object_store):
+    storage = Storage.from_config(load_config().storage)
+    uri = f"s3://{BUCKET}/it/caches/locked"
+    with CacheLock(storage, uri) as lock:
+        with pytest.raises(UserError, match=f"cache {uri} is being built by another builder"):
+            CacheLock(storage, uri).acquire()
+        with pytest.raises(OSError, match="pre-conditions"):  # the server honours If-None-Match (a 412)...
+            with lock.fs.open(lock.path, "xb") as f:
+                f.write(b"{}")
+        lock.check()  # ...and the create overwrote nothing
+    assert not lock.fs.exists(lock.path)

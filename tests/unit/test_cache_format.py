@@ -1,6 +1,8 @@
 """Cache format without Ray: codecs, shards written by the builder's own functions, validation,
-the size estimator, and read-back against a fresh target forward."""
+the size estimator, read-back against a fresh target forward, checksums verified on read, and
+transcodes that must not overwrite their source or reuse shards built with other settings."""
 import logging
+import shutil
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -10,10 +12,12 @@ import torch
 
 from dspark import target as targets
 from dspark.cache import codec as codecs
-from dspark.cache.build import make_rows, publish_shard, regenerate
+from dspark.cache.build import build_cache, make_rows, publish_shard, regenerate, transcode
 from dspark.cache.format import MANIFEST, Manifest, estimate_bytes
-from dspark.cache.read import CacheError, check_shards, decode_batch, open_cache
+from dspark.cache.lock import CacheLock
+from dspark.cache.read import CacheError, check_shards, decode_batch, iter_local, open_cache
 from dspark.config import load_config
+from dspark.errors import UserError
 from dspark.corpus.examples import split_examples
 from dspark.corpus.sources import Corpus
 from dspark.corpus.tokenizer import encode_prompt
@@ -113,8 +117,6 @@ def test_manifest_mismatch_names_the_field(built):
 
 
 def test_damaged_shards_are_named_or_skipped_with_a_count(built, tmp_path, caplog):
-    import shutil
-
     _, _, _, roots = built
     root = tmp_path / "copy"
     shutil.copytree(roots["bf16"], root)
@@ -155,3 +157,75 @@ def test_tensor_columns_have_no_dictionary_encoding(built):
         col = meta.row_group(0).column(names.index(name))
         assert "RLE_DICTIONARY" not in col.encodings and "PLAIN_DICTIONARY" not in col.encodings
     assert np.isclose(estimate_bytes(256, 3, 1000, "bf16"), 1000 * (4 * 512 + 5))
+
+
+def _corrupt_copy(root: str, dest) -> str:
+    """A copy of the cache whose shard-00001 has one byte flipped mid-file: same size, footer intact."""
+    shutil.copytree(root, dest)
+    s1 = dest / "shard-00001.parquet"
+    data = bytearray(s1.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    s1.write_bytes(bytes(data))
+    return str(dest)
+
+
+def test_reading_rows_verifies_each_shards_checksum(built, tmp_path):
+    _, _, _, roots = built
+    cache = open_cache(_corrupt_copy(roots["bf16"], tmp_path / "bad"), Storage())
+    check_shards(cache)  # the cheap checks at the start of training cannot see it
+    with pytest.raises(CacheError, match=r"shard .*/bad/shard-00001.parquet is damaged: sha256 differs"):
+        list(iter_local(cache, batch_size=2))
+    with pytest.raises(CacheError, match=r"shard .*/bad/shard-00001.parquet is damaged: sha256 differs"):
+        transcode(cache, str(tmp_path / "fp8"), "fp8")
+    assert sum(len(b["input_ids"]) for b in iter_local(open_cache(roots["bf16"], Storage()), batch_size=2)) == 6
+
+
+def test_transcode_onto_its_source_is_refused(built):
+    _, _, _, roots = built
+    src = open_cache(roots["bf16"], Storage())
+    for dst in (roots["bf16"], f"file://{roots['bf16']}/"):
+        with pytest.raises(UserError) as e:
+            transcode(src, dst, "fp8")
+        assert "cache.source_uri and the destination are the same cache" in str(e.value) and "\n" not in str(e.value)
+    assert open_cache(roots["bf16"], Storage()).manifest.codec == "bf16"  # the source is untouched
+
+
+def test_a_second_builder_on_one_cache_is_refused(built, tmp_path):
+    _, _, _, roots = built
+    src = open_cache(roots["bf16"], Storage())
+    dst = tmp_path / "fp8"
+    dst.mkdir()
+    with CacheLock(Storage(), str(dst)):  # another builder is at work on it
+        with pytest.raises(UserError, match=f"cache {dst} is being built by another builder"):
+            transcode(src, str(dst), "fp8")
+    assert transcode(src, str(dst), "fp8").rows == 6 and sorted(p.name for p in dst.iterdir()) == [
+        "_shards", "_tmp", MANIFEST, "shard-00000.parquet", "shard-00001.parquet"]
+
+
+def test_resumed_transcode_with_other_settings_is_refused_naming_the_keys(built, tmp_path):
+    _, _, _, roots = built
+    src = open_cache(roots["bf16"], Storage())
+    dst = tmp_path / "small"
+    first = transcode(src, str(dst), "fp8", [1, 3])
+    (dst / MANIFEST).unlink()  # the first run died before its manifest
+    with pytest.raises(UserError, match=r"holds shards built with other settings: codec: 'fp8' there, 'bf16' now; "
+                                        r"layers: \[1, 3\] there, \[1, 2, 3\] now; rerun with the settings"):
+        transcode(src, str(dst), "bf16")
+    assert not (dst / MANIFEST).exists()
+    again = transcode(src, str(dst), "fp8", [1, 3], log_fn=pytest.fail)  # same settings: every shard reused
+    assert again.shards == first.shards and open_cache(str(dst), Storage()).manifest.codec == "fp8"
+
+
+def test_a_damaged_manifest_is_one_line_naming_it(tmp_path):
+    cfg = load_config(overrides=[f"storage.root={tmp_path}", "cache.max_examples=4", "mlflow.enabled=false"])
+    root = tmp_path / "caches" / "builtin"
+    root.mkdir(parents=True)
+    for text in (b"{", b"[]", b"null", b'{"shards": [1]}', b'{"shards": "none"}', b"\xff\xfe"):
+        (root / MANIFEST).write_bytes(text)
+        with pytest.raises(CacheError) as e:
+            open_cache(str(root), Storage())
+        assert str(e.value).startswith(f"{root}/{MANIFEST} is not a valid manifest (") and "\n" not in str(e.value)
+    with pytest.raises(CacheError) as e:  # the builder reads it the same way, before any work
+        build_cache(cfg)
+    assert str(e.value).startswith(f"{root}/{MANIFEST} is not a valid manifest (")
+    assert (root / MANIFEST).read_bytes() == b"\xff\xfe"  # nothing overwritten

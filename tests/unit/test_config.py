@@ -45,3 +45,27 @@ def test_malformed_override_and_missing_file(tmp_path):
     bad.write_text("train: [1, 2")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+@pytest.mark.parametrize("override, named", [
+    ("cache.layers=[1,", "override cache.layers: the value is not valid YAML"),
+    ("train.lr={a: 1", "override train.lr: the value is not valid YAML"),
+    ("serve.api_key=@secret", "override serve.api_key: the value is not valid YAML"),
+])
+def test_invalid_yaml_in_an_override_is_one_line_naming_the_key(override, named):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[override])
+    assert named in str(e.value) and "\n" not in str(e.value) and "secret" not in str(e.value)
+
+
+def test_unreadable_config_files_are_one_line_naming_the_file(tmp_path):
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("train:\n  run_name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as e:
+        load_config(latin1)
+    assert str(e.value) == f"config file {latin1} is not UTF-8 text (byte 0xe9 at offset 22)"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert str(e.value).startswith(f"config file {bad} is not valid YAML: ") and "\n" not in str(e.value)

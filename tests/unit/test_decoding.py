@@ -19,6 +19,7 @@ from dspark.decoding import speculative as spec
 from dspark.decoding.runner import TargetRunner
 from dspark.decoding.sampling import BatchSampler, SamplingParams, probs
 from dspark.decoding.speculative import Request, SpeculativeDecoder
+from dspark.errors import UserError
 from dspark.models import DrafterConfig, build_drafter
 from dspark.models.drafter import Drafter, Proposal
 from dspark.scheduling import policies
@@ -179,13 +180,11 @@ KNEE = SPSTable(B.tolist(), (100.0 / (1 + (B / 600.0) ** 1.5) ** (2 / 3)).tolist
 
 
 def _greedy_policy(s, R, g):
-    return policies.greedy_prefix(s.numpy(), KNEE).tolist()
+    return policies.greedy_prefix(s, KNEE).tolist()
 
 
 def _async_policy():
-    from dspark.decoding.engine import make_policy
-
-    return make_policy("async", KNEE, static_len=2)
+    return policies.make_policy("async", KNEE, static_len=2)
 
 
 @pytest.mark.parametrize("name, policy", [
@@ -272,3 +271,134 @@ def test_drafter_failure_falls_back_to_exact_target_decoding(tgt, prompt):
     dec = SpeculativeDecoder(tgt.model, Broken(tgt.model, 4), gamma=4)
     out = dec.run([Request(prompt, SamplingParams(0.0), 20)])
     assert out[0].out == plain[0].out and dec.drafter_error == "RuntimeError: drafter crashed"
+
+
+def _mixed_schedules():
+    """Different verification lengths, calibration-like policy changes and batch-mates for one request."""
+    return [spec.full_length, lambda s, R, g: [1] * R, lambda s, R, g: np.random.default_rng(R).integers(0, g + 1, R).tolist()]
+
+
+def test_seeded_requests_are_reproducible_whatever_the_schedule(tgt, prompt):
+    """seed => the output is a function of (prompt, seed): with or without a drafter, any l_r, any
+    batch-mates (standard rejection sampling gives this only by chance)."""
+    drafter = PerturbedTarget(tgt.model, 4)
+    plain = SpeculativeDecoder(tgt.model, None).run([Request(prompt, SP, 12, s, reproducible=True) for s in range(6)])
+    for policy in _mixed_schedules():
+        mates = [Request(prompt[:4], SP, 9, 100 + s) for s in range(3)]  # unseeded neighbours in the same rounds
+        reqs = [Request(prompt, SP, 12, s, reproducible=True) for s in range(6)]
+        SpeculativeDecoder(tgt.model, drafter, gamma=4, policy=policy, max_slots=4).run(reqs[:3] + mates + reqs[3:])
+        assert [r.out for r in reqs] == [p.out for p in plain]
+        assert sum(r.accepted for q in reqs for r in q.rounds) > 0  # drafts were accepted along the way
+
+
+def test_seeded_sampling_matches_target_distribution(tgt, prompt, all_cores):
+    """Gumbel-max keyed by (seed, position), through speculative decoding with truncated lengths: the
+    law over seeds is the target's."""
+    law = _exact_law(tgt, prompt)
+    n = 10_000
+    half = lambda s, R, g: [2] * R  # noqa: E731
+    dec = SpeculativeDecoder(tgt.model, PerturbedTarget(tgt.model, 4), gamma=4, policy=half, max_slots=256, capacity=64)
+    reqs = dec.run([Request(prompt, SP, 3, seed, reproducible=True) for seed in range(n)])
+    p_value, power = _chi2(law, [tuple(r.out[:3]) for r in reqs])
+    rate = sum(r.accepted for q in reqs for r in q.rounds) / sum(r.verified for q in reqs for r in q.rounds)
+    print(f"[exactness] seeded (Gumbel-max) sampling: n={n}, chi-square p={p_value:.3f}, power {power:.3f}, "
+          f"draft acceptance {rate:.3f}")
+    assert power >= 0.9 and p_value > 1e-3, p_value
+    assert rate > 0.2  # the drafter shares the noise: its drafts are accepted
+
+
+def test_tiny_temperature_is_finite_and_greedy(tgt, prompt):
+    logits = tgt.model(torch.tensor([prompt])).logits[0, -1]
+    p = probs(logits, SamplingParams(1e-40))
+    assert torch.isfinite(p).all() and int(p.argmax()) == int(logits.argmax()) and float(p.max()) == 1.0
+    out = SpeculativeDecoder(tgt.model, _drafter(tgt, "dspark")).run([Request(prompt, SamplingParams(1e-40), 12)])
+    ref = SpeculativeDecoder(tgt.model, None).run([Request(prompt, SamplingParams(0.0), 12)])
+    assert out[0].out == ref[0].out
+
+
+class NaNAfter(PerturbedTarget):
+    """Drafts whose q is NaN from position `bad` on (a drafter that diverged)."""
+
+    def __init__(self, model, gamma, bad):
+        super().__init__(model, gamma)
+        self.bad = bad
+
+    def propose(self, states, anchors, gamma, sample):
+        prop = super().propose(states, anchors, gamma, sample)
+        prop.probs[:, self.bad:] = float("nan")
+        return prop
+
+
+def test_nan_draft_probabilities_only_shorten_the_verified_prefix(tgt, prompt):
+    plain = SpeculativeDecoder(tgt.model, None).run([Request(prompt, SamplingParams(0.0), 20)])
+    for bad in (0, 2):
+        dec = SpeculativeDecoder(tgt.model, NaNAfter(tgt.model, 4, bad), gamma=4)
+        out = dec.run([Request(prompt, SamplingParams(0.0), 20)])
+        assert out[0].out == plain[0].out and dec.drafter_error is None
+        assert max(r.verified for r in out[0].rounds) == bad  # drafts before the NaN were still verified
+    law = _exact_law(tgt, prompt)  # and the sampled law is untouched
+    samples, _ = _sample(tgt, prompt, NaNAfter(tgt.model, 4, 2), spec.full_length, 3000)
+    assert _chi2(law, samples)[0] > 1e-3
+
+
+def test_a_transient_drafter_error_only_pauses_drafting(tgt, prompt):
+    class Flaky(PerturbedTarget):
+        calls = 0
+
+        def propose(self, *a, **k):
+            self.calls += 1
+            if self.calls <= 2:
+                raise RuntimeError("transient")
+            return super().propose(*a, **k)
+
+    plain = SpeculativeDecoder(tgt.model, None).run([Request(prompt, SamplingParams(0.0), 30)])
+    dec = SpeculativeDecoder(tgt.model, Flaky(tgt.model, 4), gamma=4)
+    out = dec.run([Request(prompt, SamplingParams(0.0), 30)])
+    assert out[0].out == plain[0].out and dec.drafter_error == "RuntimeError: transient"
+    assert dec.drafter is not None and out[0].rounds[-1].verified > 0  # drafting came back
+
+
+def test_requests_at_the_context_limit_never_fail_their_batch(tgt, prompt):
+    """prompt + max_tokens == the limit: drafts are capped to the room left, so neither the request nor
+    its batch-mate fails, and outputs equal plain greedy."""
+    limit = len(prompt) + 16
+    reqs = lambda: [Request(prompt, SamplingParams(0.0), 16), Request(prompt[:5], SamplingParams(0.0), 16)]  # noqa: E731
+    plain = SpeculativeDecoder(tgt.model, None).run(reqs())
+    dec = SpeculativeDecoder(tgt.model, _drafter(tgt, "dspark"), gamma=5, max_slots=2, max_len=limit)
+    out = dec.run(reqs())
+    assert [o.out for o in out] == [p.out for p in plain] and all(len(o.out) == 16 for o in out)
+    assert dec.runner.k[0].shape[2] <= limit  # the KV cache never grows past the configured bound
+    with pytest.raises(UserError, match="context limit"):
+        dec.add(Request(prompt, SamplingParams(0.0), 17))
+    assert len(dec.runner.free_slots) == 2
+
+
+def test_a_failed_prefill_frees_its_slot(tgt, prompt):
+    class BrokenExtend(PerturbedTarget):
+        def extend(self, *a):
+            raise RuntimeError("extend failed")
+
+    dec = SpeculativeDecoder(tgt.model, BrokenExtend(tgt.model, 4), gamma=4, max_slots=2)
+    for _ in range(3):  # more failures than slots
+        with pytest.raises(RuntimeError):
+            dec.add(Request(prompt, SamplingParams(1.0), 8))
+    assert len(dec.runner.free_slots) == 2 and not dec.active
+
+
+def test_kv_growth_is_all_or_nothing(tgt, prompt, monkeypatch):
+    r = TargetRunner(tgt.model, [], max_slots=1, capacity=4)
+    real, calls = torch.Tensor.new_zeros, itertools.count()
+
+    def fail_late(self, *shape, **kw):
+        if next(calls) == 5:  # the sixth new buffer (third layer's keys) runs out of memory
+            raise MemoryError("out of memory")
+        return real(self, *shape, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "new_zeros", fail_late)
+    with pytest.raises(MemoryError):
+        r._ensure(64)
+    monkeypatch.undo()
+    assert {t.shape[2] for t in r.k + r.v} == {4}  # every layer still has the old, whole cache
+    slot = r.alloc()
+    out = r.forward([slot], [torch.tensor(prompt)])
+    assert (out.logits[0] - tgt.model(torch.tensor([prompt])).logits[0]).abs().max() < 1e-4

@@ -76,3 +76,98 @@ def test_queue_bound_cancel_and_stop(tgt, drafter):
         assert "\n" not in text and done[1]["finish_reason"] == "stop"
     finally:
         eng.close()
+
+
+def drain(stream, timeout=120):
+    """Every event of a stream, up to and including its single terminal event."""
+    events = [stream.events.get(timeout=timeout)]
+    while events[-1][0] == "text":
+        events.append(stream.events.get(timeout=timeout))
+    return events
+
+
+def test_cancelling_a_queued_request_ends_its_stream(tgt, drafter):
+    eng = Engine(tgt.model, tgt.tokenizer, drafter, 4, "greedy", SPSTable.synthetic("smooth"), max_batch=1, max_queue=4)
+    woken = []
+    try:
+        busy = eng.submit(ids_of(tgt, "a = "), SamplingParams(1.0), 1500, 0)
+        assert busy.events.get(timeout=60)[0] == "text"
+        queued = eng.submit(ids_of(tgt, "b = "), SamplingParams(1.0), 8, 1)
+        queued.notify = lambda: woken.append(1)
+        eng.cancel(queued)  # the client disconnected while waiting for a slot
+        ev = queued.events.get(timeout=10)  # before the fix: no event ever came, its reader blocked forever
+        assert ev[0] == "done" and ev[1]["finish_reason"] == "cancelled" and woken == [1]
+        eng.cancel(busy)
+        assert drain(busy)[-1][0] == "done"
+        assert eng.state()["free_slots"] == 1 and eng.state()["waiting"] == 0
+    finally:
+        eng.close()
+
+
+def text_of(events):
+    return "".join(e[1] for e in events if e[0] == "text")
+
+
+def test_tiny_temperature_requests_never_leak_slots(tgt, drafter):
+    """temperature=1e-40 once gave NaN at prefill and leaked the slot: after max_batch of them nothing
+    was admitted again."""
+    eng = Engine(tgt.model, tgt.tokenizer, drafter, 4, "greedy", SPSTable.synthetic("smooth"), max_batch=2, max_queue=8)
+    try:
+        streams = [eng.submit(ids_of(tgt, f"x{i} = "), SamplingParams(1e-40), 6) for i in range(5)]
+        runs = [drain(s) for s in streams]
+        assert all(r[-1][0] == "done" for r in runs), [r[-1] for r in runs]
+        greedy = drain(eng.submit(ids_of(tgt, "x0 = "), SamplingParams(0.0), 6))
+        assert text_of(greedy) == text_of(runs[0])  # T -> 0 is greedy
+        assert eng.state()["free_slots"] == 2
+    finally:
+        eng.close()
+
+
+def test_seed_pins_the_output_and_no_seed_varies_it(tgt, drafter):
+    """The same seed gives the same text whatever runs beside it and whatever calibration is in force
+    (the engine's schedule changes between the two); requests without a seed are not all seed 0."""
+    from dspark.calibration.sts import Calibration
+
+    eng = Engine(tgt.model, tgt.tokenizer, drafter, 4, "greedy", SPSTable.synthetic("smooth"), max_batch=3, max_queue=16)
+    try:
+        first = drain(eng.submit(ids_of(tgt, "def f(x):"), SamplingParams(1.0), 24, 3))
+        eng.set_calibration(Calibration([1.0] * 4, [-8.0] * 4))  # almost no draft is verified from now on
+        others = [eng.submit(ids_of(tgt, f"y{i} = "), SamplingParams(1.0), 24) for i in range(2)]
+        second = drain(eng.submit(ids_of(tgt, "def f(x):"), SamplingParams(1.0), 24, 3))
+        unseeded = [text_of(drain(s)) for s in others] + [
+            text_of(drain(eng.submit(ids_of(tgt, "def f(x):"), SamplingParams(1.0), 24))) for _ in range(2)]
+        assert text_of(first) == text_of(second)
+        assert unseeded[2] != unseeded[3]  # 24 tokens at T=1 from a high-entropy target: equal only if seeded alike
+        assert first[-1][1]["speculative"] != second[-1][1]["speculative"]  # and the schedule did differ
+    finally:
+        eng.close()
+
+
+def test_wrong_length_calibration_is_refused_up_front(tgt, drafter):
+    from dspark.calibration.sts import Calibration
+    from dspark.errors import UserError
+
+    with pytest.raises(UserError, match="calibration has 2 positions but gamma=4"):
+        Engine(tgt.model, tgt.tokenizer, drafter, 4, "greedy", calibration=Calibration([1.0, 1.0], [0.0, 0.0]))
+    eng = Engine(tgt.model, tgt.tokenizer, drafter, 4, "greedy", max_batch=1)
+    try:
+        with pytest.raises(UserError):
+            eng.set_calibration(Calibration([1.0, 1.0], [0.0, 0.0]))
+        assert drain(eng.submit(ids_of(tgt, "z = "), SamplingParams(1.0), 8))[-1][0] == "done"
+    finally:
+        eng.close()
+
+
+def test_errors_are_events_with_an_http_status(tgt, drafter):
+    eng = Engine(tgt.model, tgt.tokenizer, drafter, 4, "greedy", max_batch=2, max_len=64)
+    try:
+        with pytest.raises(ValueError, match="context limit of 64"):
+            eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 100)
+        with pytest.raises(ValueError, match="seed"):
+            eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 8, 2 ** 64)
+        eng.decoder.drafter.extend = None  # every prefill now fails inside the engine thread
+        ev = drain(eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 8))[-1]
+        assert ev[0] == "error" and ev[2] == 500 and "prefill failed" in ev[1]
+        assert eng.state()["free_slots"] == 2
+    finally:
+        eng.close()

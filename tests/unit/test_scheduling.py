@@ -9,8 +9,8 @@ from scipy import stats
 
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.verify import verify_one
-from dspark.scheduling.policies import (admit_top_k, async_global, capacity, greedy_prefix, static_threshold,
-                                        survival, throughput)
+from dspark.scheduling.policies import (admit_top_k, async_global, capacity, greedy_prefix, make_policy,
+                                        static_threshold, survival, throughput)
 from dspark.scheduling.sps import SPSTable
 
 SMOOTH, CLIFF = SPSTable.synthetic("smooth", 512), SPSTable.synthetic("cliff", 512)
@@ -68,10 +68,12 @@ def test_budget_shrinks_as_load_grows():
     assert per_req[0] >= 4 and per_req[-1] < per_req[0] and all(x >= y for x, y in zip(per_req, per_req[1:]))
 
 
-def _appendix_a_output(early_stop: bool, n: int, seed: int = 0) -> np.ndarray:
+APPENDIX_SPS = SPSTable([1, 2, 3], [1.0, 0.5, 0.45])
+
+
+def _appendix_a_output(choose, n: int, seed: int = 0) -> np.ndarray:
     """R=1, gamma=2, SPS(1,2,3) = (1, 0.5, 0.45), p_t = (0.7, 0.3), q = (0.5, 0.5), c_1 = 0.8,
-    c_2 = 0.9 if x_1 = A else 0. Returns the first emitted token of n rounds."""
-    sps = SPSTable([1, 2, 3], [1.0, 0.5, 0.45])
+    c_2 = 0.9 if x_1 = A else 0. choose(a (1, 2)) -> l. Returns the first emitted token of n rounds."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.tensor([[0.5, 0.5], [0.5, 0.5]])
     target_logits = torch.log(torch.tensor([[0.7, 0.3], [0.5, 0.5], [0.5, 0.5]]))
@@ -80,7 +82,7 @@ def _appendix_a_output(early_stop: bool, n: int, seed: int = 0) -> np.ndarray:
     for i in range(n):
         x = torch.multinomial(q, 1, replacement=True, generator=gen)[:, 0]  # x_1, x_2 ~ q
         c2 = 0.9 if int(x[0]) == 0 else 0.0
-        l = int(greedy_prefix(np.array([[0.8, 0.8 * c2]]), sps, early_stop=early_stop)[0])
+        l = int(choose(np.array([[0.8, 0.8 * c2]])))
         if l == 0:
             out[i] = int(torch.multinomial(torch.tensor([0.7, 0.3]), 1, generator=gen))
         else:
@@ -89,17 +91,46 @@ def _appendix_a_output(early_stop: bool, n: int, seed: int = 0) -> np.ndarray:
     return out
 
 
+def _p_a(name: str, first: np.ndarray) -> tuple[float, float]:
+    n = len(first)
+    p_a = float((first == 0).mean())
+    p_value = stats.binomtest(int((first == 0).sum()), n, 0.70).pvalue
+    print(f"[appendix A] {name}: P(A) = {p_a:.4f} ± {1.96 * np.sqrt(p_a * (1 - p_a) / n):.4f} "
+          f"(95% CI, n={n}); target P(A) = 0.70, binomial p = {p_value:.2e}")
+    return p_a, p_value
+
+
 @pytest.mark.parametrize("early_stop, expected", [(True, 0.70), (False, 0.85)])
 def test_appendix_a_counterexample(early_stop, expected):
     n = 20_000
-    first = _appendix_a_output(early_stop, n)
-    p_a = float((first == 0).mean())
-    se = np.sqrt(expected * (1 - expected) / n)
-    assert abs(p_a - expected) < 4 * se, (p_a, expected)
-    p_value = stats.binomtest(int((first == 0).sum()), n, 0.70).pvalue
-    print(f"[appendix A] early stop {early_stop}: P(A) = {p_a:.4f} ± {1.96 * np.sqrt(p_a * (1 - p_a) / n):.4f} "
-          f"(95% CI, n={n}); target P(A) = 0.70, binomial p = {p_value:.2e}")
+    p_a, p_value = _p_a(f"early stop {early_stop}",
+                        _appendix_a_output(lambda a: greedy_prefix(a, APPENDIX_SPS, early_stop=early_stop)[0], n))
+    assert abs(p_a - expected) < 4 * np.sqrt(expected * (1 - expected) / n), (p_a, expected)
     if early_stop:
         assert p_value > 1e-3  # consistent with the target's P(A) = 0.7
     else:
         assert p_value < 1e-12  # the test has the power to see the retrospective search's bias
+
+
+@pytest.mark.parametrize("history", [0, 1])
+def test_async_policy_is_unbiased_in_its_first_rounds(history):
+    """The engine's async policy from a fresh state (every engine start, 0 earlier rounds) and after one
+    round: with fewer than two stale rounds it must not search over the current confidences (that is
+    the retrospective search, P(A) = 0.85); a policy built per sample puts every sample in that round."""
+    def first_rounds(a):
+        policy = make_policy("async", APPENDIX_SPS)
+        for _ in range(history):
+            policy(np.array([[0.5, 0.25]]), 1, 2)
+        return policy(a, 1, 2)[0]
+
+    p_a, p_value = _p_a(f"async policy after {history} rounds", _appendix_a_output(first_rounds, 20_000))
+    assert p_value > 1e-3, p_a
+
+
+def test_async_policy_uses_two_round_old_capacity_once_it_has_it():
+    policy = make_policy("async", SMOOTH)
+    high, low = survival([[0.99] * 7] * 4), survival([[0.01] * 7] * 4)
+    policy(high, 4, 7)
+    policy(low, 4, 7)
+    # third round: capacity from the first (high) round's survival, admission by the current one
+    assert sum(policy(low, 4, 7)) == capacity(high, SMOOTH) > 0

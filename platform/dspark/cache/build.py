@@ -5,11 +5,14 @@ shard list runs an actor pool (`ShardBuilder`, each holding the target, on CPU o
 per shard it regenerates the responses (batched HF generation with a KV cache and the configured
 sampling), runs one target forward per sequence capturing the tapped layers and the final-norm
 hidden state, and publishes the Parquet shard atomically. The driver streams the per-shard stats
-back, reports progress, and writes manifest.json last. Rerunning skips shards already published.
+back, reports progress, and writes manifest.json last. Rerunning skips shards already published,
+after checking that each was built with this run's settings (its "built_with" record); one builder
+at a time holds the cache's lock (dspark.cache.lock).
 """
 from __future__ import annotations
 
 import io
+import json
 import logging
 import time
 import uuid
@@ -22,12 +25,17 @@ import torch
 
 from dspark.cache import codec as codecs
 from dspark.cache.format import MANIFEST, PARQUET_OPTIONS, SCHEMA, Manifest, ShardStats, sha256_of, shard_name
+from dspark.cache.lock import CacheLock
+from dspark.cache.read import decode_batch, read_manifest, read_shard
 from dspark.config import Config
 from dspark.corpus.tokenizer import encode_prompt
 from dspark.errors import UserError
 from dspark.storage import Storage
 
 log = logging.getLogger(__name__)
+
+# the manifest fields that a shard's content depends on (with which examples it holds)
+BUILD_KEYS = ("target", "tokenizer_sha256", "layers", "hidden_size", "codec", "generation", "corpus_sha256")
 
 
 def _put_atomic(fs: pafs.FileSystem, final: str, data: bytes, tmp_dir: str) -> None:
@@ -48,11 +56,11 @@ def _read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
 class ShardBuilder:
     """Ray Data actor: holds the target; turns one batch of shard descriptions into published shards."""
 
-    def __init__(self, cfg_json: str, cache_uri: str, layers: list[int], storage: Storage):
+    def __init__(self, cfg_json: str, cache_uri: str, layers: list[int], storage: Storage, settings: dict):
         cfg = Config.model_validate_json(cfg_json)
         from dspark import target as targets
 
-        self.cfg, self.cache_uri, self.layers, self.storage = cfg, cache_uri, layers, storage
+        self.cfg, self.cache_uri, self.layers, self.storage, self.settings = cfg, cache_uri, layers, storage, settings
         self.tgt = targets.load_from_config(cfg.target)
         self.tok = self.tgt.tokenizer
 
@@ -72,12 +80,24 @@ class ShardBuilder:
         n_prompt = [len(encode_prompt(self.tok, p)) for p in prompts]
         cols = make_rows(self.tgt.model, self.layers, cc.codec, seq_ids, domains, seqs, n_prompt)
         fs, root = self.storage.pyarrow_fs(self.cache_uri)
-        stats = publish_shard(fs, root, shard_id, cols)
+        stats = publish_shard(fs, root, shard_id, cols, shard_record(self.settings, seq_ids))
         return asdict(stats)
 
 
-def publish_shard(fs: pafs.FileSystem, root: str, shard_id: int, cols: dict[str, list]) -> ShardStats:
-    """Write one shard (then its stats sidecar), each atomically."""
+def settings_of(m: Manifest) -> dict:
+    """The build settings a manifest states (BUILD_KEYS), as they read back from JSON."""
+    return json.loads(json.dumps({k: getattr(m, k) for k in BUILD_KEYS}))
+
+
+def shard_record(settings: dict, seq_ids: list[str]) -> dict:
+    """What a built shard was built with: the settings and the examples it holds."""
+    return {**settings, "examples_sha256": sha256_of("\n".join(seq_ids).encode())}
+
+
+def publish_shard(fs: pafs.FileSystem, root: str, shard_id: int, cols: dict[str, list],
+                  built_with: dict | None = None) -> ShardStats:
+    """Write one shard (then its sidecar: stats and the `built_with` record), each atomically. A shard
+    without a record (None: a hand-made cache) is never reused by a resumed build."""
     buf = io.BytesIO()
     rows = len(cols["seq_id"])
     pq.write_table(pa.table(cols, schema=SCHEMA), buf, row_group_size=max(1, min(64, rows)), **PARQUET_OPTIONS)
@@ -86,7 +106,8 @@ def publish_shard(fs: pafs.FileSystem, root: str, shard_id: int, cols: dict[str,
     _put_atomic(fs, f"{root}/{name}", data, f"{root}/_tmp")
     stats = ShardStats(shard_id, name, rows, sum(cols["num_tokens"]),
                        sum(int(sum(m)) for m in cols["loss_mask"]), len(data), sha256_of(data))
-    _put_atomic(fs, f"{root}/_shards/{name}.json", stats.to_json(), f"{root}/_tmp")
+    sidecar = json.dumps({**asdict(stats), "built_with": built_with}).encode()
+    _put_atomic(fs, f"{root}/_shards/{name}.json", sidecar, f"{root}/_tmp")
     return stats
 
 
@@ -131,16 +152,61 @@ def make_rows(model, layers: list[int], codec: str, seq_ids: list[str], domains:
     return cols
 
 
-def published_stats(fs: pafs.FileSystem, root: str) -> dict[int, ShardStats]:
-    """Stats of shards already published by an earlier (possibly crashed) build."""
-    done: dict[int, ShardStats] = {}
+def published_stats(fs: pafs.FileSystem, root: str) -> dict[int, tuple[ShardStats, dict | None]]:
+    """Stats and `built_with` records (None from older versions) of shards already published by an
+    earlier (possibly crashed) build. An unreadable sidecar leaves its shard to be built again."""
+    done: dict[int, tuple[ShardStats, dict | None]] = {}
     listing = fs.get_file_info(pafs.FileSelector(f"{root}/_shards", allow_not_found=True))
     for info in listing:
         if info.path.endswith(".parquet.json"):
-            s = ShardStats.from_json(_read_bytes(fs, info.path))
+            try:
+                d = json.loads(_read_bytes(fs, info.path))
+                built_with = d.pop("built_with", None)
+                s = ShardStats(**d)
+            except (ValueError, TypeError) as e:
+                log.warning("rebuilding the shard of %s: unreadable (%s)", info.path, e)
+                continue
             if fs.get_file_info(f"{root}/{s.file}").type == pafs.FileType.File:
-                done[s.shard_id] = s
+                done[s.shard_id] = (s, built_with)
     return done
+
+
+def differences(have: dict, want: dict, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, have, want) for every key whose values differ; nested dicts compared key by key."""
+    out: list[tuple[str, object, object]] = []
+    for k in sorted(set(have) | set(want)):
+        a, b = have.get(k), want.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += differences(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append((f"{prefix}{k}", a, b))
+    return out
+
+
+def describe(diffs: list[tuple[str, object, object]]) -> str:
+    def short(v):
+        r = repr(v)
+        return r if len(r) <= 40 else r[:37] + "..."
+
+    return "; ".join(f"{k}: {short(a)} there, {short(b)} now" for k, a, b in diffs)
+
+
+def check_resume(uri: str, done: dict[int, tuple[ShardStats, dict | None]], want: dict[int, dict]) -> None:
+    """Refuse to finish a build whose published shards were built with other settings (or hold other
+    examples) than `want` (shard id -> record): the error names the keys that differ."""
+    diffs: dict[str, tuple] = {}
+    for i, (_, have) in sorted(done.items()):
+        if have is None:
+            raise UserError(f"cache {uri}: {shard_name(i)} was published without a record of its settings (by an "
+                            f"older version): delete the cache folder or choose another cache.name / cache.uri")
+        found = differences(have, want[i]) if i in want else [("examples_sha256", have.get("examples_sha256"), None)]
+        for key, a, b in found:
+            diffs.setdefault(key, (key, a, b))
+    if diffs:
+        hint = " (which examples each shard holds: cache.shard_rows, cache.max_examples or the corpus changed)" \
+            if "examples_sha256" in diffs else ""
+        raise UserError(f"cache {uri} holds shards built with other settings{hint}: {describe(list(diffs.values()))}; "
+                        f"rerun with the settings it was started with, or choose another cache.name / cache.uri")
 
 
 def cache_uri(cfg: Config) -> str:
@@ -149,8 +215,6 @@ def cache_uri(cfg: Config) -> str:
 
 def build_cache(cfg: Config, tracker=None, log_fn=print) -> Manifest:
     """Build (or finish building) the cache of the built-in corpus's train split; returns the manifest."""
-    import ray
-
     from dspark import target as targets
     from dspark.corpus.examples import split_examples
     from dspark.corpus.sources import DOMAINS, Corpus
@@ -163,6 +227,7 @@ def build_cache(cfg: Config, tracker=None, log_fn=print) -> Manifest:
     storage.check(uri)
     fs, root = storage.pyarrow_fs(uri)
     fs.create_dir(root, recursive=True)
+    old = read_manifest(storage, uri)  # a damaged one fails here, before any work
 
     tgt_path = targets.resolve(cfg.target.name_or_path)
     tgt_cfg = targets.hf_config(tgt_path)  # sizes and layer ids are validated before any work
@@ -184,88 +249,106 @@ def build_cache(cfg: Config, tracker=None, log_fn=print) -> Manifest:
                     "max_new_tokens": cc.max_new_tokens, "seed": cc.seed},
         corpus_sha256=corpus.manifest()["sha256"],
     )
-    existing = fs.get_file_info(f"{root}/{MANIFEST}")
-    if existing.type == pafs.FileType.File:
-        old = Manifest.from_json(_read_bytes(fs, f"{root}/{MANIFEST}").decode())
-        if len(old.shards) == len(shards) and _same_build(old, manifest):
+    settings = settings_of(manifest)
+    if old is not None:
+        diffs = differences(settings_of(old), settings)
+        if len(old.shards) != len(shards):
+            diffs.append(("shards", len(old.shards), len(shards)))
+        if not diffs:
             log_fn(f"[cache] {uri} is complete: {old.rows} rows, {old.tokens:,} tokens; nothing to do")
             return old
-        raise UserError(f"cache {uri} already holds a different build (manifest.json); choose another cache.uri or delete it")
+        raise UserError(f"cache {uri} already holds a different build ({MANIFEST}: {describe(diffs)}); "
+                        f"choose another cache.name / cache.uri or delete it")
 
-    done = published_stats(fs, root)
-    todo = [i for i in range(len(shards)) if i not in done]
-    log_fn(f"[cache] {uri}: {len(examples)} prompts in {len(shards)} shards, {len(done)} already published; "
-           f"layers {layers}, codec {cc.codec}")
-    t0 = time.perf_counter()
-    rows = tokens = nbytes = 0
-    if todo:
-        items = [{"shard_id": i, "seq_ids": [e.example_id for e in shards[i]], "domains": [e.domain for e in shards[i]],
-                  "prompts": [e.prompt for e in shards[i]]} for i in todo]
-        from dspark.cluster import quiet_ray_data
-
-        quiet_ray_data()
-        ds = ray.data.from_items(items, override_num_blocks=len(items))
-        ds = ds.map_batches(ShardBuilder, batch_size=1, compute=ray.data.ActorPoolStrategy(size=cc.num_actors),
-                            num_gpus=cc.num_gpus_per_actor or None,
-                            num_cpus=1 if not cc.num_gpus_per_actor else None,
-                            fn_constructor_kwargs={"cfg_json": cfg.model_dump_json(), "cache_uri": uri, "layers": layers,
-                                                   "storage": storage})
-        for row in ds.iter_rows():
-            s = ShardStats(**row["stats"])
-            done[s.shard_id] = s
-            rows, tokens, nbytes = rows + s.rows, tokens + s.tokens, nbytes + s.bytes
-            dt = time.perf_counter() - t0
-            log_fn(f"[cache] shard {s.shard_id:5d} ({len(done)}/{len(shards)}): {s.rows} rows, {s.tokens:,} tokens, "
-                   f"{s.bytes / 2**20:.1f} MiB in {row['seconds']:.1f}s | total {rows / dt:.2f} rows/s, "
-                   f"{tokens / dt:,.0f} tokens/s, {nbytes / 2**20:.1f} MiB written")
-            if tracker:
-                tracker.metrics({"cache.rows": rows, "cache.tokens": tokens, "cache.bytes": nbytes,
-                                 "cache.rows_per_s": rows / dt, "cache.tokens_per_s": tokens / dt}, len(done))
-    manifest.shards = [done[i] for i in range(len(shards))]
-    _put_atomic(fs, f"{root}/{MANIFEST}", manifest.to_json().encode(), f"{root}/_tmp")
-    if fs.get_file_info(f"{root}/_tmp").type == pafs.FileType.Directory:
-        fs.delete_dir(f"{root}/_tmp")  # leftovers of writers that crashed mid-file
+    want = {i: shard_record(settings, [e.example_id for e in shard]) for i, shard in enumerate(shards)}
+    with CacheLock(storage, uri) as lock:
+        done = published_stats(fs, root)
+        check_resume(uri, done, want)
+        stats = {i: st for i, (st, _) in done.items()}
+        todo = [i for i in range(len(shards)) if i not in stats]
+        log_fn(f"[cache] {uri}: {len(examples)} prompts in {len(shards)} shards, {len(stats)} already published; "
+               f"layers {layers}, codec {cc.codec}")
+        if todo:
+            _build_shards(cfg, uri, storage, layers, settings, shards, todo, stats, tracker, log_fn)
+        manifest.shards = [stats[i] for i in range(len(shards))]
+        lock.check()
+        _put_atomic(fs, f"{root}/{MANIFEST}", manifest.to_json().encode(), f"{root}/_tmp")
+        if fs.get_file_info(f"{root}/_tmp").type == pafs.FileType.Directory:
+            fs.delete_dir(f"{root}/_tmp")  # leftovers of writers that crashed mid-file (no other builder runs)
     log_fn(f"[cache] published {uri}/{MANIFEST}: {manifest.rows} rows, {manifest.tokens:,} tokens, "
            f"{manifest.bytes / 2**20:.1f} MiB ({manifest.bytes / max(manifest.tokens, 1):,.0f} bytes/token)")
     return manifest
 
 
-def _same_build(a: Manifest, b: Manifest) -> bool:
-    keys = ("target", "tokenizer_sha256", "layers", "hidden_size", "codec", "generation", "corpus_sha256")
-    return all(getattr(a, k) == getattr(b, k) for k in keys)
+def _build_shards(cfg: Config, uri: str, storage: Storage, layers: list[int], settings: dict, shards: list,
+                  todo: list[int], stats: dict[int, ShardStats], tracker, log_fn) -> None:
+    """Build the shards `todo` on a Ray Data actor pool; their stats land in `stats` as they finish."""
+    import ray
+
+    from dspark.cluster import quiet_ray_data
+
+    cc = cfg.cache
+    items = [{"shard_id": i, "seq_ids": [e.example_id for e in shards[i]], "domains": [e.domain for e in shards[i]],
+              "prompts": [e.prompt for e in shards[i]]} for i in todo]
+    quiet_ray_data()
+    ds = ray.data.from_items(items, override_num_blocks=len(items))
+    ds = ds.map_batches(ShardBuilder, batch_size=1, compute=ray.data.ActorPoolStrategy(size=cc.num_actors),
+                        num_gpus=cc.num_gpus_per_actor or None,
+                        num_cpus=1 if not cc.num_gpus_per_actor else None,
+                        fn_constructor_kwargs={"cfg_json": cfg.model_dump_json(), "cache_uri": uri, "layers": layers,
+                                               "storage": storage, "settings": settings})
+    t0 = time.perf_counter()
+    rows = tokens = nbytes = 0
+    for row in ds.iter_rows():
+        s = ShardStats(**row["stats"])
+        stats[s.shard_id] = s
+        rows, tokens, nbytes = rows + s.rows, tokens + s.tokens, nbytes + s.bytes
+        dt = time.perf_counter() - t0
+        log_fn(f"[cache] shard {s.shard_id:5d} ({len(stats)}/{len(shards)}): {s.rows} rows, {s.tokens:,} tokens, "
+               f"{s.bytes / 2**20:.1f} MiB in {row['seconds']:.1f}s | total {rows / dt:.2f} rows/s, "
+               f"{tokens / dt:,.0f} tokens/s, {nbytes / 2**20:.1f} MiB written")
+        if tracker:
+            tracker.metrics({"cache.rows": rows, "cache.tokens": tokens, "cache.bytes": nbytes,
+                             "cache.rows_per_s": rows / dt, "cache.tokens_per_s": tokens / dt}, len(stats))
 
 
 def transcode(src, dst_uri: str, codec: str, layers: list[int] | None = None, log_fn=print) -> Manifest:
     """Shrink an existing cache without re-running the target: another codec (e.g. fp8) and/or a
     subset of its tapped layers. Shard by shard, each published atomically, manifest last; shards
-    already transcoded are skipped. `src` is a dspark.cache.read.Cache."""
-    from dspark.cache.read import decode_batch
-
+    already transcoded (with these settings, from these source shards) are skipped. `src` is a
+    dspark.cache.read.Cache; its shards are verified as they are read."""
+    if Storage.same_place(src.uri, dst_uri):
+        raise UserError(f"cache.source_uri and the destination are the same cache ({dst_uri}): set cache.name "
+                        f"or cache.uri to a new cache")
     m = src.manifest
     layers = list(layers or m.layers)
     missing = [i for i in layers if i not in m.layers]
     if missing:
         raise UserError(f"cache.layers: {missing} are not in the source cache (it has {m.layers})")
     keep = [m.layers.index(i) for i in layers]
-    fs_src, root_src = src.fs_root
     fs, root = src.storage.pyarrow_fs(dst_uri)
     fs.create_dir(root, recursive=True)
-    done = published_stats(fs, root)
     out = Manifest(target=m.target, tokenizer_sha256=m.tokenizer_sha256, layers=layers, hidden_size=m.hidden_size,
                    codec=codec, generation={**m.generation, "transcoded_from": src.uri}, corpus_sha256=m.corpus_sha256)
-    for s in m.shards:
-        if s.shard_id in done:
-            continue
-        table = pq.read_table(f"{root_src}/{s.file}", filesystem=fs_src)
-        rows = {k: table.column(k).to_pylist() for k in table.column_names}
-        dec = decode_batch(rows, m)
-        feats, last = [], []
-        for r, n in enumerate(rows["num_tokens"]):
-            feats.append(codecs.encode(dec["features"][r, :n][:, keep], codec))
-            last.append(codecs.encode(dec["last_hidden"][r, :n], codec))
-        rows["features"], rows["last_hidden"] = feats, last
-        done[s.shard_id] = publish_shard(fs, root, s.shard_id, rows)
-        log_fn(f"[cache] transcoded {s.file}: {s.bytes / 2**20:.1f} -> {done[s.shard_id].bytes / 2**20:.1f} MiB")
-    out.shards = [done[s.shard_id] for s in m.shards]
-    _put_atomic(fs, f"{root}/{MANIFEST}", out.to_json().encode(), f"{root}/_tmp")
+    want = {s.shard_id: {**settings_of(out), "source_sha256": s.sha256} for s in m.shards}
+    with CacheLock(src.storage, dst_uri) as lock:
+        done = published_stats(fs, root)
+        check_resume(dst_uri, done, want)
+        stats = {i: st for i, (st, _) in done.items()}
+        for s in m.shards:
+            if s.shard_id in stats:
+                continue
+            table = read_shard(src, s).read()
+            rows = {k: table.column(k).to_pylist() for k in table.column_names}
+            dec = decode_batch(rows, m)
+            feats, last = [], []
+            for r, n in enumerate(rows["num_tokens"]):
+                feats.append(codecs.encode(dec["features"][r, :n][:, keep], codec))
+                last.append(codecs.encode(dec["last_hidden"][r, :n], codec))
+            rows["features"], rows["last_hidden"] = feats, last
+            stats[s.shard_id] = publish_shard(fs, root, s.shard_id, rows, want[s.shard_id])
+            log_fn(f"[cache] transcoded {s.file}: {s.bytes / 2**20:.1f} -> {stats[s.shard_id].bytes / 2**20:.1f} MiB")
+        out.shards = [stats[s.shard_id] for s in m.shards]
+        lock.check()
+        _put_atomic(fs, f"{root}/{MANIFEST}", out.to_json().encode(), f"{root}/_tmp")
     return out

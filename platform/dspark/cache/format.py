@@ -14,7 +14,9 @@ Layout under the cache URI:
 
     manifest.json              written last: a cache without it is not a cache (yet)
     shard-00000.parquet ...    published atomically: written to _tmp/, then moved
-    _shards/shard-00000.json   per-shard stats, written after the shard is published (resume)
+    _shards/shard-00000.parquet.json   per-shard stats and what the shard was built with (its
+                               "built_with" record), written after the shard is published (resume)
+    _lock.json                 while a builder works on the cache (dspark.cache.lock)
 
 Dictionary encoding is off and compression is off for the tensor columns (bf16/fp8 noise does
 not compress; dictionaries made IO several times slower).
@@ -66,13 +68,6 @@ class ShardStats:
     bytes: int
     sha256: str
 
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> "ShardStats":
-        return cls(**json.loads(data))
-
 
 @dataclass
 class Manifest:
@@ -108,11 +103,17 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str) -> "Manifest":
+        """Parse manifest.json; anything malformed raises ValueError."""
         d = json.loads(text)
+        if not isinstance(d, dict) or not isinstance(d.get("shards"), list):
+            raise ValueError("not a JSON object with a list of shards")
         d.pop("schema", None)
         d.pop("totals", None)
-        d["shards"] = [ShardStats(**s) for s in d["shards"]]
-        return cls(**d)
+        try:
+            d["shards"] = [ShardStats(**s) for s in d["shards"]]
+            return cls(**d)
+        except TypeError as e:  # missing or unknown fields, a shard that is not an object
+            raise ValueError(str(e)) from None
 
 
 def sha256_of(data: bytes) -> str:

@@ -23,8 +23,8 @@ class OnlineCalibrator:
                  min_rounds: int = 200, refit_every: int = 100, max_change: float = 2.0, max_bias_change: float = 0.5,
                  bias: bool = True, max_rounds: int = 20000, window: int = 300):
         self.gamma = gamma
-        start = cal or sts.Calibration.identity(gamma)
-        self.cal = sts.Calibration(list(start.temps[:gamma]), list(start.biases[:gamma]))
+        start = (cal or sts.Calibration.identity(gamma)).check(gamma)
+        self.cal = sts.Calibration(list(start.temps), list(start.biases))
         self.half_life, self.min_rounds, self.refit_every = half_life, min_rounds, refit_every
         self.max_change, self.max_bias_change, self.bias, self.max_rounds = max_change, max_bias_change, bias, max_rounds
         self.logits = np.zeros((0, gamma))

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark.calibration.metrics import auroc, brier, ece, ece_floor
+from dspark.errors import UserError
 
 GRID = np.geomspace(0.25, 4.0, 49)
 MAX_BIAS = 8.0  # |b_k| in logits; bisection range of the offset
@@ -32,6 +33,14 @@ class Calibration:
     @classmethod
     def identity(cls, gamma: int) -> "Calibration":
         return cls([1.0] * gamma, [0.0] * gamma)
+
+    def check(self, gamma: int) -> "Calibration":
+        """One map per draft position: a calibration of another length is refused when it is loaded or
+        installed, never discovered mid-round."""
+        if not len(self.temps) == len(self.biases) == gamma:
+            raise UserError(f"calibration has {len(self.temps)} positions but gamma={gamma} drafts are served; "
+                            f"refit it for this gamma (or serve the drafter's trained gamma)")
+        return self
 
     def conditional(self, logits: np.ndarray) -> np.ndarray:
         """(n, g) raw confidence logits -> calibrated conditional confidences c_k."""

@@ -2,13 +2,15 @@
 
 Reserved special tokens: BOS/EOS/PAD, turn markers, and MASK (the parallel drafters' block filler).
 A conversation is  <|bos|><|user|>{prompt}<|assistant|>{response}<|eos|> ; the loss mask covers the
-response and its EOS only.
+response and its EOS only. `chat_text` / `chat_ids` render prompts and conversations with ANY target
+tokenizer's own chat template (this format is the built-in target's template).
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Iterable
 
+from jinja2 import TemplateError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dspark.errors import UserError
@@ -64,6 +66,27 @@ def load_tokenizer(path: str | Path):
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # the tokenizers library raises plain Exceptions on bad JSON
         raise UserError(f"tokenizer {path / 'tokenizer.json'} could not be read: {str(e).splitlines()[0]}") from None
+
+
+def chat_text(tokenizer, conversation: str | list[dict], add_generation_prompt: bool = True,
+              chat_template_kwargs: dict | None = None) -> str:
+    """A prompt (one user turn) or a conversation ([{"role": ..., "content": ...}, ...]) rendered with
+    the tokenizer's own chat template; `chat_template_kwargs` reach the template (e.g. enable_thinking)."""
+    if not tokenizer.chat_template:
+        raise UserError("the target's tokenizer has no chat template")
+    messages = [{"role": "user", "content": conversation}] if isinstance(conversation, str) else list(conversation)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **(chat_template_kwargs or {}))
+    except (TemplateError, ValueError) as e:  # the template's raise_exception, or no messages
+        raise UserError(f"the target's chat template refused the conversation: {e}") from None
+
+
+def chat_ids(tokenizer, conversation: str | list[dict], add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of `chat_text`: the template writes any BOS itself, so none is added here."""
+    text = chat_text(tokenizer, conversation, add_generation_prompt, chat_template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def format_prompt(prompt: str) -> str:

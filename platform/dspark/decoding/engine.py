@@ -5,11 +5,16 @@ Per round: drafts for all active requests -> the scheduling policy picks l_r fro
 survival and the SPS table -> one flattened target forward verifies everything -> rejection
 sampling. Acceptance outcomes go to an observer (the calibration actor) and a fresh STS calibration
 can be installed between rounds. The waiting queue is bounded: beyond it `submit` raises Overloaded.
+
+Every stream ends with exactly one ("done", info) or ("error", message, http_status) event, also when
+it is cancelled while queued; `Stream.notify` (optional) is called after each event, so an asyncio
+consumer needs no thread blocked on the queue. A request's failure never takes a slot with it.
 """
 from __future__ import annotations
 
 import itertools
 import queue
+import secrets
 import threading
 import time
 from collections import deque
@@ -21,36 +26,15 @@ import numpy as np
 from dspark.calibration.sts import Calibration
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder
-from dspark.scheduling import policies
+from dspark.errors import UserError
+from dspark.scheduling.policies import POLICIES, make_policy
 from dspark.scheduling.sps import SPSTable
 
-POLICIES = ("none", "static", "threshold", "greedy", "async")
+MAX_SEED = 2 ** 63  # seeds are 0 .. 2^63 - 1
 
 
 class Overloaded(Exception):
     """The waiting queue is full: answer 429 rather than growing memory."""
-
-
-def make_policy(name: str, sps: SPSTable, static_len: int, threshold: float = 0.5):
-    """policy(survival (R, gamma) or None, R, gamma) -> lengths. Drafters without a confidence head
-    (DFlash, EAGLE-3) get the static length under every confidence-based policy."""
-    history: deque = deque(maxlen=2)  # survival matrices of the two previous rounds (async variant)
-
-    def policy(surv, R, gamma):
-        if name == "none":
-            return [0] * R
-        if name == "static" or surv is None:
-            return [min(static_len, gamma)] * R
-        a = surv.numpy()
-        if name == "threshold":
-            return policies.static_threshold(a, threshold).tolist()
-        if name == "greedy":
-            return policies.greedy_prefix(a, sps).tolist()
-        stale = history[0] if len(history) == 2 else a  # confidences from two rounds before
-        history.append(a)
-        return policies.async_global(a, stale, sps).tolist()
-
-    return policy
 
 
 @dataclass
@@ -66,6 +50,16 @@ class Stream:
     sent_tokens: int = 0
     submitted: float = field(default_factory=time.perf_counter)
     finish_reason: Optional[str] = None
+    notify: Optional[Callable[[], None]] = None  # called after every event (from the engine thread)
+
+    def put(self, event: tuple) -> None:
+        self.events.put(event)
+        if self.notify is not None:
+            self.notify()
+
+    def fail(self, message: str, status: int) -> None:
+        self.finish_reason = "error"
+        self.put(("error", message, status))
 
     def stats(self) -> dict:
         gamma = max((r.verified for r in self.req.rounds), default=0)
@@ -80,17 +74,22 @@ class Engine:
     def __init__(self, target_model, tokenizer, drafter=None, gamma: int = 7, policy: str = "greedy",
                  sps: Optional[SPSTable] = None, max_batch: int = 8, max_queue: int = 32, static_len: int = 4,
                  threshold: float = 0.5, calibration: Optional[Calibration] = None,
-                 observer: Optional[Callable[[list], None]] = None, metrics=None, idle_probe: int = 0):
+                 observer: Optional[Callable[[list], None]] = None, metrics=None, idle_probe: int = 0,
+                 max_len: int = 0, stop_ids: tuple[int, ...] = ()):
         if policy not in POLICIES:
             raise ValueError(f"policy: {policy!r} not in {POLICIES}")
+        drafting = drafter is not None and policy != "none"
+        if calibration is not None and drafting:
+            calibration.check(gamma)
         self.tok = tokenizer
+        self.stop_ids = tuple(stop_ids) or (tokenizer.eos_token_id,)  # every EOS id of the target
         self.sps = sps or SPSTable.synthetic("smooth")
         self.policy_name = policy
-        self.decoder = SpeculativeDecoder(target_model, drafter if policy != "none" else None, gamma,
+        self.max_batch = max_batch
+        self.decoder = SpeculativeDecoder(target_model, drafter if drafting else None, gamma,
                                           make_policy(policy, self.sps, static_len, threshold), max_slots=max_batch,
-                                          calibration=calibration, idle_probe=idle_probe)
+                                          calibration=calibration, idle_probe=idle_probe, max_len=max_len)
         self.max_queue = max_queue
-        self.max_positions = target_model.config.max_position_embeddings
         self.observer, self.metrics = observer, metrics
         self.waiting: deque[Stream] = deque()
         self.streams: dict[int, Stream] = {}  # id(req) -> stream, for active requests
@@ -102,15 +101,25 @@ class Engine:
         self.thread.start()
 
     # -- API (any thread)
-    def submit(self, prompt_ids: list[int], sp: SamplingParams, max_tokens: int, seed: int,
+    def submit(self, prompt_ids: list[int], sp: SamplingParams, max_tokens: int, seed: Optional[int] = None,
                stop: list[str] | None = None) -> Stream:
-        if len(prompt_ids) + max_tokens > self.max_positions:
+        """seed given: the output is a function of (prompt, seed) alone, whatever else the engine runs
+        (Gumbel-max sampling keyed by position). seed None: a fresh random seed and standard rejection
+        sampling, which accepts the most drafts. Raises ValueError (a bad request) or Overloaded."""
+        if not prompt_ids:
+            raise ValueError("prompt: at least one token is needed")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1 (got {max_tokens})")
+        if len(prompt_ids) + max_tokens > self.decoder.max_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceeds the context "
-                             f"limit of {self.max_positions} tokens")
+                             f"limit of {self.decoder.max_len} tokens")
+        if seed is not None and not 0 <= seed < MAX_SEED:
+            raise ValueError(f"seed: must be in [0, 2^63) (got {seed})")
         with self.lock:
             if len(self.waiting) >= self.max_queue:
                 raise Overloaded(f"{len(self.waiting)} requests already waiting (max_queue={self.max_queue})")
-            req = Request(list(prompt_ids), sp, max_tokens, seed, (self.tok.eos_token_id,))
+            req = Request(list(prompt_ids), sp, max_tokens, secrets.randbelow(MAX_SEED) if seed is None else seed,
+                          self.stop_ids, reproducible=seed is not None)
             s = Stream(req, stop or [], lambda ids: self.tok.decode(ids, skip_special_tokens=True),
                        id=f"cmpl-{next(self.ids)}")
             self.waiting.append(s)
@@ -118,18 +127,26 @@ class Engine:
         return s
 
     def cancel(self, s: Stream) -> None:
-        """Client gone: drop it from the queue or free its slot between rounds."""
+        """Client gone: drop it from the queue (its stream ends at once) or free its slot between rounds."""
         with self.lock:
             s.finish_reason = s.finish_reason or "cancelled"
-            if s in self.waiting:
+            queued = s in self.waiting
+            if queued:
                 self.waiting.remove(s)
+        if queued:
+            self._finish(s)
         self.wake.set()
 
     def set_calibration(self, cal: Calibration) -> None:
+        if self.decoder.gamma:
+            cal.check(self.decoder.gamma)
         self.decoder.calibration = cal  # swapped whole between rounds: a round never mixes two
 
     def state(self) -> dict:
+        runner = self.decoder.runner
         return {"active": len(self.decoder.active), "waiting": len(self.waiting), "policy": self.policy_name,
+                "max_batch": self.max_batch, "free_slots": len(runner.free_slots), "max_len": self.decoder.max_len,
+                "kv_capacity": runner.k[0].shape[2] if runner.k else 0,
                 "drafter": self.decoder.drafter is not None, "drafter_error": self.decoder.drafter_error,
                 "calibration": self.decoder.calibration.to_dict() if self.decoder.calibration else None}
 
@@ -156,11 +173,8 @@ class Engine:
                 dec.step()
             except Exception as e:  # a broken round must not take the server down: fail its requests
                 for r in batch:
-                    s = self.streams[id(r)]
-                    s.finish_reason = "error"
-                    s.events.put(("error", f"{type(e).__name__}: {e}"))
                     dec.cancel(r)
-                    self.streams.pop(id(r), None)
+                    self.streams.pop(id(r)).fail(f"round failed: {type(e).__name__}: {e}", 500)
                 continue
             self._observe(batch, time.perf_counter() - t0)
             for r in batch:
@@ -173,14 +187,15 @@ class Engine:
                 if not self.waiting:
                     return
                 s = self.waiting.popleft()
-            self.streams[id(s.req)] = s
             try:
-                dec.add(s.req)
-            except Exception as e:
-                s.finish_reason = "error"
-                s.events.put(("error", f"{type(e).__name__}: {e}"))
-                self.streams.pop(id(s.req), None)
+                dec.add(s.req)  # frees what it took if it fails
+            except UserError as e:
+                s.fail(str(e), 400)
                 continue
+            except Exception as e:
+                s.fail(f"prefill failed: {type(e).__name__}: {e}", 500)
+                continue
+            self.streams[id(s.req)] = s
             self._emit(s)
 
     def _emit(self, s: Stream) -> None:
@@ -191,22 +206,22 @@ class Engine:
             text = text[:stopped]
             s.finish_reason = "stop"
         if len(text) > len(s.sent_text) and text.startswith(s.sent_text) and not text.endswith("\ufffd"):
-            s.events.put(("text", text[len(s.sent_text):]))
+            s.put(("text", text[len(s.sent_text):]))
             s.sent_text = text
         s.sent_tokens = len(out)
         if s.req.done or s.finish_reason == "stop":
             if s.finish_reason is None:
-                s.finish_reason = "stop" if out and out[-1] == self.tok.eos_token_id else "length"
+                s.finish_reason = "stop" if out and out[-1] in self.stop_ids else "length"
             if s.finish_reason == "stop" and not s.req.done:
                 self.decoder.cancel(s.req)
             if len(text) > len(s.sent_text):
-                s.events.put(("text", text[len(s.sent_text):]))
+                s.put(("text", text[len(s.sent_text):]))
                 s.sent_text = text
             self._finish(s)
 
     def _finish(self, s: Stream) -> None:
         self.streams.pop(id(s.req), None)
-        s.events.put(("done", {"finish_reason": s.finish_reason, "completion_tokens": len(s.req.out),
+        s.put(("done", {"finish_reason": s.finish_reason, "completion_tokens": len(s.req.out),
                                "prompt_tokens": len(s.req.prompt), "speculative": s.stats()}))
 
     def _observe(self, batch: list[Request], seconds: float) -> None:

@@ -1,11 +1,12 @@
 """The target's forward for decoding: many requests' new tokens in ONE flattened forward, each at its
 own positions against its own KV cache, returning logits and the drafter's tapped features.
 
-It runs the weights of an HF Qwen3-family model (embed, decoder layers, final norm, lm_head,
-rotary embedding) with a slot-based KV cache: request r owns slot s with keys/values
-(KVH, capacity, hd) per layer and a length. Rolling back rejected drafts is setting the length
-back. Attention is SDPA over the active slots, padded to the longest; device and dtype are the
-model's own (CPU float32 here, CUDA bf16 in production).
+It runs the weights of an HF decoder-only model of a supported family (embed, decoder layers, final
+norm, lm_head, rotary embedding; see FAMILIES for how they differ) with a slot-based KV cache:
+request r owns slot s with keys/values (KVH, capacity, hd) per layer and a length. Rolling back
+rejected drafts is setting the length back. Attention is SDPA over the active slots, padded to the
+longest, with each layer's sliding window in the mask; device and dtype are the model's own (CPU
+float32 here, CUDA bf16 in production).
 """
 from __future__ import annotations
 
@@ -23,24 +24,90 @@ class StepOutput:
     taps: list[torch.Tensor]  # per request (n_r, m, d): tapped layer outputs for the drafter
 
 
+@dataclass(frozen=True)
+class Family:
+    """How a family's decoder layer differs from Llama's (projection biases, embedding scale, attention
+    scale and RMSNorm variants live in the HF modules the runner calls, so they need no flag)."""
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma3)
+    sandwich_norm: bool = False  # attention and MLP outputs normed before the residual add (Gemma3)
+    rope_per_layer_type: bool = False  # sliding and full layers use different rotary tables (Gemma3)
+
+
+FAMILIES = {
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(),
+    "qwen3": Family(qk_norm=True),
+    "gemma3_text": Family(qk_norm=True, sandwich_norm=True, rope_per_layer_type=True),
+}
+
+
+def family(cfg) -> Family:
+    """The runner's description of a target's family; unsupported features are refused by name."""
+    fam = FAMILIES.get(cfg.model_type)
+    if fam is None:
+        raise UserError(f"target: model type {cfg.model_type!r} is not supported by the decoding runner "
+                        f"(supported: {', '.join(sorted(FAMILIES))})")
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        raise UserError("target: attention logit soft-capping is not supported by the decoding runner")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise UserError("target: bidirectional attention is not supported by the decoding runner")
+    return fam
+
+
+def layer_types(cfg) -> list[str]:
+    """Each layer's attention: "sliding_attention" or "full_attention". Families without
+    `layer_types` (Mistral) slide on every layer when `sliding_window` is set."""
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        sliding = getattr(cfg, "sliding_window", None) is not None
+        types = ["sliding_attention" if sliding else "full_attention"] * cfg.num_hidden_layers
+    return list(types)
+
+
+@dataclass
+class _Ragged:
+    """Where each of the Ttot flattened new tokens of one forward belongs."""
+    slots: torch.Tensor  # (R,) the slot of each request
+    row: torch.Tensor  # (Ttot,) the request of each token
+    col: torch.Tensor  # (Ttot,) its index among its request's new tokens
+    pos: torch.Tensor  # (Ttot,) its position in its sequence
+    nmax: int  # most new tokens of one request
+    L: int  # longest sequence after this forward
+
+
+def _mask(j: torch.Tensor, qpos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(R, 1, nmax, L) boolean: key j is visible to the query at position q iff q - window < j <= q."""
+    visible = j[None, None, :] <= qpos[:, :, None]
+    if window is not None:
+        visible &= j[None, None, :] > qpos[:, :, None] - window
+    return visible[:, None]
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
 class TargetRunner:
-    def __init__(self, model, tap_layers: list[int], max_slots: int = 8, capacity: int = 512):
+    def __init__(self, model, tap_layers: list[int], max_slots: int = 8, capacity: int = 512, max_len: int = 0):
+        """capacity: initial KV positions per slot (grown on demand); max_len: the most positions a slot
+        may ever hold (0 = the target's max_position_embeddings), which bounds the cache's memory at
+        max_slots x max_len positions per layer."""
         cfg = model.config
-        if getattr(cfg, "use_sliding_window", False):
-            raise UserError("target: sliding-window attention is not supported by the decoding runner")
+        self.family, self.types = family(cfg), layer_types(cfg)
+        self.windows = [cfg.sliding_window if t == "sliding_attention" else None for t in self.types]
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.model, self.taps = model, list(tap_layers)
         self.base = model.model
         self.layers = self.base.layers
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.kvh = cfg.num_key_value_heads
+        self.nh, self.kvh = cfg.num_attention_heads, cfg.num_key_value_heads
         self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.max_positions = cfg.max_position_embeddings
+        self.max_len = min(max_len or self.max_positions, self.max_positions)
+        capacity = min(capacity, self.max_len)
         self.k = [torch.zeros(max_slots, self.kvh, capacity, self.hd, device=self.device, dtype=self.dtype)
                   for _ in self.layers]
         self.v = [torch.zeros_like(t) for t in self.k]
@@ -65,26 +132,28 @@ class TargetRunner:
         self.lengths[slot] = length
 
     def _ensure(self, need: int) -> None:
+        """Grow every layer's cache to hold `need` positions: all new buffers are allocated before any
+        is swapped in, so running out of memory leaves the old cache whole."""
         cap = self.k[0].shape[2]
         if need <= cap:
             return
-        new_cap = max(need, 2 * cap)
-        for i in range(len(self.k)):
-            for store in (self.k, self.v):
-                grown = store[i].new_zeros(*store[i].shape[:2], new_cap, self.hd)
-                grown[:, :, :cap] = store[i]
-                store[i] = grown
+        new_cap = min(max(need, 2 * cap), self.max_len)
+        grown = [[t.new_zeros(*t.shape[:2], new_cap, self.hd) for t in store] for store in (self.k, self.v)]
+        for store, new in zip((self.k, self.v), grown):
+            for i, t in enumerate(new):
+                t[:, :, :cap] = store[i]
+                store[i] = t
 
     # -- forward
     @torch.no_grad()
     def forward(self, slots: list[int], tokens: list[torch.Tensor]) -> StepOutput:
         """Append tokens[r] (n_r,) to slot slots[r]; returns logits and taps for every new token."""
         n = [int(t.numel()) for t in tokens]
-        R, nmax = len(slots), max(n)
+        nmax = max(n)
         start = [self.lengths[s] for s in slots]
         end = [a + b for a, b in zip(start, n)]
-        if max(end) > self.max_positions:
-            raise UserError(f"context of {max(end)} tokens exceeds the target's {self.max_positions} positions")
+        if max(end) > self.max_len:
+            raise UserError(f"context of {max(end)} tokens exceeds the limit of {self.max_len} positions per request")
         self._ensure(max(end))
         ids = torch.cat(tokens).to(self.device)  # (Ttot,)
         pos = torch.cat([torch.arange(a, b) for a, b in zip(start, end)]).to(self.device)  # (Ttot,)
@@ -92,36 +161,59 @@ class TargetRunner:
         col = torch.cat([torch.arange(k) for k in n]).to(self.device)  # index within the request's new tokens
         slot_t = torch.tensor(slots, device=self.device)
         L = max(end)
-        # query t of request r sees key j iff j <= start_r + t   (its cache and its own earlier new tokens)
+        # query t of request r sees key j iff  q - window < j <= q  with q = start_r + t (its cache and its
+        # own earlier new tokens; no lower bound on full-attention layers)
         j = torch.arange(L, device=self.device)
         qpos = torch.tensor(start, device=self.device)[:, None] + torch.arange(nmax, device=self.device)  # (R, nmax)
-        mask = (j[None, None, :] <= qpos[:, :, None])[:, None]  # (R, 1, nmax, L)
+        masks = {w: _mask(j, qpos, w) for w in set(self.windows)}  # window -> (R, 1, nmax, L)
+        where = _Ragged(slot_t, row, col, pos, nmax, L)
 
-        x = self.base.embed_tokens(ids[None])  # (1, Ttot, d)
-        cos, sin = self.base.rotary_emb(x, pos[None])  # (1, Ttot, hd)
-        cos, sin = cos[0][:, None], sin[0][:, None]  # (Ttot, 1, hd)
+        x = self.base.embed_tokens(ids[None])  # (1, Ttot, d); Gemma3's module scales by sqrt(d)
+        rope = self._rope(x, pos)
         taps = []
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)[0]  # (Ttot, d)
-            q = attn.q_norm(attn.q_proj(h).view(-1, attn.config.num_attention_heads, self.hd))
-            k = attn.k_norm(attn.k_proj(h).view(-1, self.kvh, self.hd))
-            v = attn.v_proj(h).view(-1, self.kvh, self.hd)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # (Ttot, H|KVH, hd)
-            self.k[i][slot_t[row], :, pos] = k
-            self.v[i][slot_t[row], :, pos] = v
-            qp = q.new_zeros(R, nmax, q.shape[1], self.hd)
-            qp[row, col] = q
-            keys, vals = self.k[i][slot_t, :, :L], self.v[i][slot_t, :, :L]  # (R, KVH, L, hd)
-            o = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, vals, attn_mask=mask, enable_gqa=True,
-                                               scale=attn.scaling)  # (R, H, nmax, hd)
-            o = o.transpose(1, 2)[row, col].reshape(1, -1, q.shape[1] * self.hd)  # (1, Ttot, H*hd)
-            x = x + attn.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            cos, sin = rope[self.types[i]]
+            o = self._attention(i, layer.self_attn, layer.input_layernorm(x)[0], cos, sin, where, masks[self.windows[i]])
+            if self.family.sandwich_norm:
+                x = x + layer.post_attention_layernorm(o)
+                x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+            else:
+                x = x + o
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in self.taps:
                 taps.append(x[0])
         for s, e in zip(slots, end):
             self.lengths[s] = e
         logits = self.model.lm_head(self.base.norm(x))[0]  # (Ttot, V)
+        if self.softcap is not None:  # Gemma: logits = c * tanh(logits / c)
+            logits = self.softcap * torch.tanh(logits / self.softcap)
         feats = torch.stack(taps, 1) if taps else logits.new_zeros(len(ids), 0, x.shape[-1])  # (Ttot, m, d)
         return StepOutput(list(logits.split(n)), list(feats.split(n)))
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> dict:
+        """layer type -> (cos, sin), each (Ttot, 1, hd)."""
+        if self.family.rope_per_layer_type:
+            tables = {t: self.base.rotary_emb(x, pos[None], t) for t in set(self.types)}
+        else:
+            tables = dict.fromkeys(set(self.types), self.base.rotary_emb(x, pos[None]))
+        return {t: (cos[0][:, None], sin[0][:, None]) for t, (cos, sin) in tables.items()}
+
+    def _attention(self, i: int, attn, h: torch.Tensor, cos, sin, where: _Ragged, mask) -> torch.Tensor:
+        """Layer i's attention for the flattened new tokens h (Ttot, d): stores their keys/values in
+        their slots, attends each request over its own slot, returns the o_proj output (1, Ttot, d)."""
+        H, row, col = self.nh, where.row, where.col
+        q = attn.q_proj(h).view(-1, H, self.hd)
+        k = attn.k_proj(h).view(-1, self.kvh, self.hd)
+        v = attn.v_proj(h).view(-1, self.kvh, self.hd)
+        if self.family.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # (Ttot, H|KVH, hd)
+        self.k[i][where.slots[row], :, where.pos] = k
+        self.v[i][where.slots[row], :, where.pos] = v
+        qp = q.new_zeros(len(where.slots), where.nmax, H, self.hd)
+        qp[row, col] = q
+        keys = self.k[i][where.slots, :, :where.L]  # (R, KVH, L, hd)
+        vals = self.v[i][where.slots, :, :where.L]
+        o = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, vals, attn_mask=mask, enable_gqa=True,
+                                           scale=attn.scaling)  # (R, H, nmax, hd)
+        return attn.o_proj(o.transpose(1, 2)[row, col].reshape(1, -1, H * self.hd))  # (1, Ttot, d)

@@ -2,7 +2,14 @@
 
 The distribution the target is asked to reproduce is  p = filter_top_p(filter_top_k(softmax(z / T))).
 Greedy (T = 0) is represented as the one-hot argmax distribution, so greedy requests go through the
-same exact verification rule as sampled ones (accept iff the draft equals the target's argmax)."""
+same exact verification rule as sampled ones (accept iff the draft equals the target's argmax).
+
+Seeded (reproducible) sampling uses the Gumbel-max trick with noise keyed by (seed, position):
+    x_t = argmax_v  log p_t(v) + g_{t,v},    g_{t,v} ~ Gumbel(0, 1) iid, a function of (seed, t) only.
+x_t is an exact sample of p_t, and it is a deterministic function of the seed and the prefix, so a
+seeded request's output never depends on the drafter, the verification lengths or the batch. The
+drafter proposes with the same noise (argmax of log q_t + g_t), so verification is "accept iff the
+draft equals the target's perturbed argmax" (the greedy rule on perturbed scores)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,7 +43,8 @@ def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     z = logits.float()
     if sp.greedy:
         return torch.nn.functional.one_hot(z.argmax(-1), z.shape[-1]).float()
-    z = z / sp.temperature
+    # subtract the max BEFORE dividing: a tiny T then sends the others to -inf instead of inf - inf = NaN
+    z = (z - z.max(-1, keepdim=True).values) / sp.temperature
     if sp.top_k and sp.top_k < z.shape[-1]:
         kth = z.topk(sp.top_k, -1).values[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))
@@ -51,6 +59,30 @@ def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return p
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position) -> a 63-bit generator seed; distinct positions of one seed
+    give distinct seeds."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def gumbel(seed: int, first: int, n: int, vocab: int) -> torch.Tensor:
+    """(n, V) float64 Gumbel(0, 1) noise for output positions first .. first+n-1 of a seeded request."""
+    u = torch.stack([torch.rand(vocab, generator=torch.Generator().manual_seed(_mix(seed, first + i)),
+                                dtype=torch.float64) for i in range(n)])
+    return -torch.log(-torch.log(u))  # u = 0 gives -inf: that token is never chosen (probability 2^-53)
+
+
+def perturbed(p: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """log p + g: its argmax is an exact sample of p (Gumbel-max); p (n, V), noise (n, V)."""
+    return p.to("cpu", torch.float64).log() + noise
+
+
 def draw(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One sample per row of p (R, V) with the row's own generator semantics kept by the caller."""
     return torch.multinomial(p, 1, generator=generator)[..., 0]
@@ -58,18 +90,30 @@ def draw(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
 
 class BatchSampler:
     """Samples row r of a (R, V) logits batch from request r's distribution with request r's
-    generator; returns the tokens and the distributions they were drawn from."""
+    generator; returns the tokens and the distributions they were drawn from. A request with a
+    key (seed, first output position) is sampled by Gumbel-max with its position's noise instead;
+    the k-th call of a round draws output position first + k."""
 
-    def __init__(self, params: list[SamplingParams], generators: list[torch.Generator]):
+    def __init__(self, params: list[SamplingParams], generators: list[torch.Generator],
+                 keys: list[tuple[int, int] | None] | None = None):
         self.params, self.generators = params, generators
+        self.keys = keys or [None] * len(params)
+        self.calls = 0
 
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.stack([probs(logits[r], sp) for r, sp in enumerate(self.params)])  # (R, V)
+        toks = self._inverse_cdf(rows)
+        for r, key in enumerate(self.keys):
+            if key is not None and not self.params[r].greedy:
+                toks[r] = int(perturbed(rows[r:r + 1], gumbel(key[0], key[1] + self.calls, 1, rows.shape[-1])).argmax())
+        self.calls += 1
+        return toks.to(logits.device), rows
+
+    def _inverse_cdf(self, rows: torch.Tensor) -> torch.Tensor:
         # Inverse-CDF sampling: one uniform per request from its own generator, then ONE batched search
         # (one multinomial call per request and draft position dominated a drafting round). Token i is
         # returned iff cdf[i-1] <= u * total < cdf[i], i.e. with probability p_i; greedy rows are
         # one-hot, so they return their argmax. float64 keeps the CDF's rounding far below any p_i.
         u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in self.generators])  # (R,)
         cdf = rows.detach().to("cpu", torch.float64).cumsum(-1)  # (R, V)
-        toks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=rows.shape[-1] - 1)
-        return toks.to(logits.device), rows
+        return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=rows.shape[-1] - 1)

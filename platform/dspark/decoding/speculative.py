@@ -8,6 +8,12 @@ One round, for every active request r with anchor x_0 (the last committed token)
     4. accept:   rejection sampling -> n_r accepted + 1 emitted token         exact target law
     5. commit:   KV rollback to the accepted prefix; the drafter's context grows by n_r + 1
 Without a drafter (or gamma = 0) the same loop is plain target decoding, one token per round.
+
+l_r is further capped by quantities that never depend on this round's drafts (lossless): the
+request's room in the context and in max_new_tokens, and the first draft position whose q is not a
+finite distribution (a drafter that produced NaN: the drafts before it are still exact proposals,
+and admitting x_k never looks past q_k). A drafter that raises is skipped for a growing number of
+rounds (1, 2, 4, .. 64), then tried again; the round itself is plain target sampling.
 """
 from __future__ import annotations
 
@@ -17,14 +23,16 @@ from typing import Callable, Optional
 
 import torch
 
+from dspark.calibration import sts
 from dspark.calibration.sts import Calibration
 from dspark.decoding.runner import TargetRunner
-from dspark.decoding.sampling import BatchSampler, SamplingParams, draw, probs
+from dspark.decoding.sampling import BatchSampler, SamplingParams, draw, gumbel, perturbed, probs
 from dspark.decoding.verify import verify_greedy, verify_one
+from dspark.errors import UserError
 from dspark.models.drafter import Drafter, DraftState
+from dspark.scheduling.policies import Policy
 
-# policy(survival: (R, gamma) calibrated prefix-survival estimates or None, R, gamma) -> lengths (R,)
-Policy = Callable[[Optional[torch.Tensor], int, int], list[int]]
+MAX_DRAFTER_BACKOFF = 64  # rounds without drafting after repeated drafter errors
 
 
 def full_length(survival: Optional[torch.Tensor], n_requests: int, gamma: int) -> list[int]:
@@ -47,6 +55,10 @@ class Request:
     max_new_tokens: int = 64
     seed: int = 0
     stop_ids: tuple[int, ...] = ()
+    # True: Gumbel-max sampling keyed by (seed, output position), so the output is a function of the
+    # prompt and the seed alone (see sampling.py). False: standard rejection sampling (the most
+    # accepted drafts) with a generator seeded by `seed`.
+    reproducible: bool = False
     out: list[int] = field(default_factory=list)
     rounds: list[RoundRecord] = field(default_factory=list)
     done: bool = False
@@ -67,13 +79,16 @@ class Request:
 class SpeculativeDecoder:
     def __init__(self, target_model, drafter: Drafter | None = None, gamma: int = 7, policy: Policy = full_length,
                  max_slots: int = 16, calibration: Optional[Calibration] = None, capacity: int = 512,
-                 idle_probe: int = 0):
+                 idle_probe: int = 0, max_len: int = 0):
         self.drafter, self.gamma, self.policy = drafter, gamma if drafter is not None else 0, policy
         taps = drafter.c.tap_layers if drafter is not None else []
-        self.runner = TargetRunner(target_model, taps, max_slots=max_slots, capacity=capacity)
+        # max_len: tokens (prompt + output) per request; bounds every KV slot (0 = the target's limit)
+        self.runner = TargetRunner(target_model, taps, max_slots=max_slots, capacity=capacity, max_len=max_len)
+        self.max_len = self.runner.max_len
         self.calibration = calibration  # STS of the confidence logits (None = raw)
         self.active: list[Request] = []
-        self.drafter_error: str | None = None  # set when the drafter failed and decoding fell back to the target
+        self.drafter_error: str | None = None  # the drafter's latest error (decoding fell back to the target)
+        self.drafter_failures, self.backoff_left = 0, 0  # consecutive drafter errors; rounds left to skip
         self.last_survival: Optional[torch.Tensor] = None  # (R, gamma) of the latest round, for observers
         # After a round in which the policy verified no draft at all (high load: a verified token costs
         # more throughput than it is expected to return), skip the drafter for `idle_probe` rounds, then
@@ -89,22 +104,29 @@ class SpeculativeDecoder:
         """Prefill in one target forward: the target reads the prompts and emits each request's first
         token (its first anchor)."""
         for req in reqs:
-            req.gen = torch.Generator().manual_seed(req.seed)
-            req.slot = self.runner.alloc()
+            if not req.prompt:
+                raise UserError("prompt: at least one token is needed")
+            if len(req.prompt) + req.max_new_tokens > self.max_len:
+                raise UserError(f"prompt of {len(req.prompt)} tokens + max_tokens {req.max_new_tokens} exceeds the "
+                                f"context limit of {self.max_len} tokens")
         t0 = time.perf_counter()
-        try:
+        try:  # whatever fails (a full cache, NaN logits, the drafter), no slot or drafter state leaks
+            for req in reqs:
+                req.gen = torch.Generator().manual_seed(req.seed)
+                req.slot = self.runner.alloc()
             out = self.runner.forward([r.slot for r in reqs], [torch.tensor(r.prompt) for r in reqs])
+            firsts = [self._sample_target(out.logits[i][-1:], req)[0] for i, req in enumerate(reqs)]
+            if self.drafter is not None:
+                for req in reqs:
+                    req.state = DraftState()
+                self.drafter.extend([r.state for r in reqs], out.taps,
+                                    [torch.tensor(r.prompt[1:] + [f], device=t.device)
+                                     for r, f, t in zip(reqs, firsts, out.taps)])
         except BaseException:
             for req in reqs:
-                self.runner.free(req.slot)
+                self._release(req)
             raise
         dt = (time.perf_counter() - t0) / len(reqs)
-        firsts = [self._sample_target(out.logits[i][-1], req) for i, req in enumerate(reqs)]
-        if self.drafter is not None:
-            for req in reqs:
-                req.state = DraftState()
-            self.drafter.extend([r.state for r in reqs], out.taps,
-                                [torch.tensor(r.prompt[1:] + [f], device=t.device) for r, f, t in zip(reqs, firsts, out.taps)])
         for req, first in zip(reqs, firsts):
             req.prefill_s += dt
             self._commit(req, [first])
@@ -118,10 +140,17 @@ class SpeculativeDecoder:
             req.done = True
             self._release(req)
 
-    def _sample_target(self, logits: torch.Tensor, req: Request) -> int:
+    def _sample_target(self, logits: torch.Tensor, req: Request) -> list[int]:
+        """Target tokens for the next len(logits) output positions given their logits (n, V); n > 1
+        only for the verification of a reproducible request, which needs every row's choice."""
         if req.sp.greedy:
-            return int(logits.argmax())
-        return int(draw(probs(logits, req.sp).cpu()[None], req.gen)[0])
+            return logits.argmax(-1).tolist()
+        p = probs(logits, req.sp)
+        if not torch.isfinite(p).all():
+            raise FloatingPointError("the target's distribution is not finite (NaN/inf logits)")
+        if req.reproducible:
+            return perturbed(p, gumbel(req.seed, len(req.out), len(p), p.shape[-1])).argmax(-1).tolist()
+        return [int(draw(p[-1:].cpu(), req.gen)[0])]
 
     def _commit(self, req: Request, tokens: list[int]) -> None:
         for t in tokens:
@@ -133,9 +162,37 @@ class SpeculativeDecoder:
             self._release(req)
 
     def _release(self, req: Request) -> None:
-        self.runner.free(req.slot)
+        """Free the request's KV slot and drafter state; idempotent (a slot is never freed twice)."""
+        if req.slot >= 0:
+            self.runner.free(req.slot)
+            req.slot = -1
         if self.drafter is not None and req.state is not None:
             self.drafter.release(req.state)
+            req.state = None
+
+    def _caps(self, reqs: list[Request]) -> list[int]:
+        """The most drafts each request can verify this round, from quantities fixed before drafting:
+        its room in the context (the anchor and l drafts are appended) and in max_new_tokens (a round
+        emits at most l + 1 tokens)."""
+        return [max(0, min(self.gamma, self.max_len - self.runner.lengths[r.slot] - 1,
+                           r.max_new_tokens - len(r.out) - 1)) for r in reqs]
+
+    def _propose(self, reqs: list[Request], anchors: torch.Tensor):
+        """The drafter's proposal, or None when it is backing off after errors or raises now."""
+        if self.backoff_left > 0:
+            self.backoff_left -= 1
+            return None
+        keys = [(r.seed, len(r.out)) if r.reproducible else None for r in reqs]
+        sampler = BatchSampler([r.sp for r in reqs], [r.gen for r in reqs], keys)
+        try:
+            prop = self.drafter.propose([r.state for r in reqs], anchors.to(self.runner.device), self.gamma, sampler)
+        except Exception as e:  # never wrong output: this round is plain target decoding
+            self.drafter_error = f"{type(e).__name__}: {e}"
+            self.drafter_failures += 1
+            self.backoff_left = min(MAX_DRAFTER_BACKOFF, 2 ** (self.drafter_failures - 1))
+            return None
+        self.drafter_failures = 0
+        return prop
 
     # -- one round
     def step(self) -> None:
@@ -143,31 +200,26 @@ class SpeculativeDecoder:
         if not reqs:
             return
         anchors = torch.tensor([r.out[-1] for r in reqs])
-        drafts = probs_q = None
+        drafts = probs_q = survival = conf_logits = prop = None
         lengths = [0] * len(reqs)
-        survival = conf_logits = None
-        prop = None
         if self.gamma and self.idle_left > 0:
             self.idle_left -= 1
         elif self.gamma:
             t0 = time.perf_counter()
-            sampler = BatchSampler([r.sp for r in reqs], [r.gen for r in reqs])
-            try:
-                prop = self.drafter.propose([r.state for r in reqs], anchors.to(self.runner.device), self.gamma, sampler)
-            except Exception as e:  # never wrong output: continue as plain target decoding
-                self.drafter_error = f"{type(e).__name__}: {e}"
-                self.drafter, self.gamma = None, 0
+            prop = self._propose(reqs, anchors)
         if prop is not None:
             drafts, probs_q = prop.tokens.cpu(), prop.probs
             if prop.conf_logit is not None:
-                conf_logits = prop.conf_logit.float().cpu()
-                logit = prop.conf_logit.float()
-                if self.calibration is not None:  # c_k = σ(logit_k / T_k + b_k)
-                    cal = self.calibration
-                    logit = (logit / torch.tensor(cal.temps[: self.gamma], device=logit.device)
-                             + torch.tensor(cal.biases[: self.gamma], device=logit.device))
-                survival = torch.sigmoid(logit).cumprod(-1).cpu()  # a_{r,k} = prod_{i<=k} c_{r,i}
-            lengths = [max(0, min(self.gamma, int(x))) for x in self.policy(survival, len(reqs), self.gamma)]
+                conf_logits = prop.conf_logit.float().cpu()  # (R, gamma)
+                cal = self.calibration or Calibration.identity(self.gamma)
+                a = sts.survival(conf_logits.numpy(), cal)  # a_{r,k} = prod_{i<=k} σ(logit_{r,i} / T_i + b_i)
+                survival = torch.from_numpy(a).nan_to_num_(0.0)  # a NaN confidence admits nothing
+            # the first position whose q is not a finite distribution bounds l (0 when q_1 already is)
+            finite = (torch.isfinite(probs_q).all(-1).cpu() if probs_q is not None
+                      else torch.ones(drafts.shape, dtype=torch.bool))
+            valid = finite.int().cumprod(-1).sum(-1).tolist()
+            chosen = self.policy(None if survival is None else survival.numpy(), len(reqs), self.gamma)
+            lengths = [max(0, min(int(x), v, c)) for x, v, c in zip(chosen, valid, self._caps(reqs))]
             self.last_survival = survival
             if sum(lengths) == 0:
                 self.idle_left = self.idle_probe
@@ -183,24 +235,37 @@ class SpeculativeDecoder:
         committed = []
         for i, r in enumerate(reqs):
             r.verify_s += dt
-            l = lengths[i]
-            if l == 0:
-                n, y = 0, self._sample_target(out.logits[i][0], r)
-            elif r.sp.greedy:
-                n, y = verify_greedy(drafts[i, :l], out.logits[i])
-            else:
-                n, y = verify_one(drafts[i, :l], probs_q[i, :l], out.logits[i], r.sp, r.gen)
-            r.rounds.append(RoundRecord(l, n, None if conf_logits is None else conf_logits[i].tolist(),
+            n, y = self._verify(r, drafts[i, :lengths[i]] if drafts is not None else anchors[:0],
+                                probs_q[i, :lengths[i]] if probs_q is not None else None, out.logits[i])
+            r.rounds.append(RoundRecord(lengths[i], n, None if conf_logits is None else conf_logits[i].tolist(),
                                         None if survival is None else survival[i].tolist()))
             self.runner.truncate(r.slot, starts[i] + 1 + n)  # keep x_0 and the accepted drafts
             new = (drafts[i, :n].tolist() if n else []) + [y]
             committed.append((r, out.taps[i][: 1 + n], new))
         if self.drafter is not None:  # the drafter's context grows by x_0 and the accepted drafts
-            self.drafter.extend([r.state for r, _, _ in committed], [t for _, t, _ in committed],
-                                [torch.tensor(new, device=t.device) for _, t, new in committed])
+            try:
+                self.drafter.extend([r.state for r, _, _ in committed], [t for _, t, _ in committed],
+                                    [torch.tensor(new, device=t.device) for _, t, new in committed])
+            except Exception as e:  # its caches are now inconsistent: plain target decoding from here on
+                self.drafter_error = f"{type(e).__name__}: {e}"
+                self.drafter, self.gamma = None, 0
         for r, _, new in committed:
             self._commit(r, new)
         self.active = [r for r in reqs if not r.done]
+
+    def _verify(self, r: Request, drafts: torch.Tensor, q: Optional[torch.Tensor], logits: torch.Tensor) -> tuple[int, int]:
+        """drafts (l,), q (l, V), the target's logits (l+1, V) -> (n accepted, the emitted token)."""
+        l = drafts.shape[0]
+        if r.reproducible and not r.sp.greedy:  # the greedy rule on the perturbed scores (sampling.py)
+            choice = torch.tensor(self._sample_target(logits[: l + 1], r))
+            miss = (drafts != choice[:l]).nonzero()
+            n = int(miss[0]) if len(miss) else l
+            return n, int(choice[n])
+        if l == 0:
+            return 0, self._sample_target(logits[:1], r)[0]
+        if r.sp.greedy:
+            return verify_greedy(drafts, logits)
+        return verify_one(drafts, q, logits, r.sp, r.gen)
 
     def run(self, requests: list[Request]) -> list[Request]:
         """Decode all requests, at most `max_slots` at a time; new ones join as others finish."""

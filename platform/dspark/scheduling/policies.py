@@ -12,8 +12,14 @@ expected accepted tokens tau = sum_r (1 + sum_{j<=l_r} a_{r,j}), throughput Thet
   the whole admission path on confidences from two steps earlier (they cannot depend on the current
   tokens); the current step admits the top-K candidates by fresh survival.
 - Baselines: no speculation, static length, static threshold on survival.
+
+`make_policy` turns a policy name into the callable the decoder runs each round; it is the one
+name -> function table (the engine, the jobs and the benches all use it).
 """
 from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -95,3 +101,51 @@ def static_length(R: int, length: int) -> np.ndarray:
 def static_threshold(a: np.ndarray, threshold: float) -> np.ndarray:
     """Verify each request's drafts while the prefix survival stays >= threshold (paper Fig. 5)."""
     return (np.asarray(a) >= threshold).cumprod(axis=1).sum(axis=1).astype(np.int64)
+
+
+POLICIES = ("none", "static", "threshold", "greedy", "async")
+
+# policy(survival: (R, gamma) calibrated prefix survival or None, R, gamma) -> lengths l_r (R,)
+Policy = Callable[[Optional[np.ndarray], int, int], list[int]]
+
+
+class AsyncGlobal:
+    """The async variant with its state: the survival matrices of the previous rounds.
+
+    Until two earlier rounds exist (a fresh engine) there is no stale capacity to use, and a global
+    search over the CURRENT confidences is exactly the retrospective search that Appendix A shows to
+    be biased; those rounds run Algorithm 1 with its early stop instead."""
+
+    def __init__(self, sps: SPSTable):
+        self.sps = sps
+        self.history: deque = deque(maxlen=2)  # survival of the two previous rounds, oldest first
+
+    def __call__(self, a: np.ndarray) -> np.ndarray:
+        if len(self.history) < 2:
+            lengths = greedy_prefix(a, self.sps)
+        else:
+            lengths = async_global(a, self.history[0], self.sps)
+        self.history.append(a)
+        return lengths
+
+
+def make_policy(name: str, sps: SPSTable, static_len: int = 4, threshold: float = 0.5) -> Policy:
+    """The decoder's per-round policy. Drafters without a confidence head (DFlash, EAGLE-3) get the
+    static length under every confidence-based policy."""
+    if name not in POLICIES:
+        raise ValueError(f"policy: {name!r} not in {POLICIES}")
+    stateful = AsyncGlobal(sps) if name == "async" else None
+
+    def policy(surv, R, gamma):
+        if name == "none":
+            return [0] * R
+        if name == "static" or surv is None:
+            return [min(static_len, gamma)] * R
+        a = np.asarray(surv, dtype=np.float64)
+        if name == "threshold":
+            return static_threshold(a, threshold).tolist()
+        if name == "greedy":
+            return greedy_prefix(a, sps).tolist()
+        return stateful(a).tolist()
+
+    return policy

