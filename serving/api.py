@@ -2,23 +2,65 @@
 from __future__ import annotations
 
 import time
-from typing import Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+# OpenAI request fields beyond the schemas below. Features we do not implement are refused (400 naming
+# the field) unless set to a value that turns them off; metadata is accepted and ignored; any other
+# unknown field is refused.
+UNSUPPORTED: dict[str, tuple] = {  # field -> the values that mean "off"
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+    "response_format": (None, {}, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "modalities": (None, ["text"]), "audio": (None,),
+    "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
+}
+METADATA = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options")
+
+
+def _off(value: Any, neutral: tuple) -> bool:
+    """value is one of `neutral` (0.0 counts as 0, but false does not: JSON booleans are not numbers)."""
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral)
+
+
+def _encodable(v: str) -> str:
+    """JSON can carry lone surrogates (\\ud800) that no tokenizer accepts."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PydanticCustomError("unicode", "not valid Unicode (it holds a lone surrogate)") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # clients send fields we do not use (e.g. user, logit_bias)
+    model_config = ConfigDict(extra="forbid")  # unknown fields are a 400 naming them
 
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)
-    seed: Optional[int] = Field(None, ge=0)
-    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)  # None: the engine picks a random seed
+    stop: Optional[Union[Text, list[Text]]] = None
     stream: bool = False
     n: int = Field(1, ge=1, le=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_extras(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, neutral in UNSUPPORTED.items():
+            if name in data and not _off(data[name], neutral):
+                raise PydanticCustomError("unsupported", "not supported by this server (leave it out or null)",
+                                          {"field": name})
+        ignored = (*UNSUPPORTED, *METADATA)
+        return {k: v for k, v in data.items() if k not in ignored and v is not None}  # null means unset
 
     @field_validator("stop")
     @classmethod
@@ -30,23 +72,34 @@ class _Sampling(BaseModel):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def limit(self) -> Optional[int]:
+        return self.max_tokens
+
 
 class CompletionRequest(_Sampling):
-    prompt: str = Field(min_length=1)
+    prompt: Text = Field(min_length=1)
 
 
 class Message(BaseModel):
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Text
 
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+
+    def limit(self) -> Optional[int]:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def usage_body(done: dict) -> dict:
+    return {"prompt_tokens": done["prompt_tokens"], "completion_tokens": done["completion_tokens"],
+            "total_tokens": done["prompt_tokens"] + done["completion_tokens"]}
 
 
 def completion_body(rid: str, model: str, text: str, done: dict, chat: bool) -> dict:
-    usage = {"prompt_tokens": done["prompt_tokens"], "completion_tokens": done["completion_tokens"],
-             "total_tokens": done["prompt_tokens"] + done["completion_tokens"]}
+    usage = usage_body(done)
     choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": done["finish_reason"]}
               if chat else {"index": 0, "text": text, "finish_reason": done["finish_reason"], "logprobs": None})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),

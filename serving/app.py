@@ -6,24 +6,29 @@ continuous batching, and one calibration deployment per model pair.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as SSE),
 GET /v1/models, GET /health, GET /v1/calibration (the calibration actor's statistics),
-GET /v1/engine (engine replica state).
+GET /v1/engine (engine replica state). With serve.api_key set, every route but /health needs
+"Authorization: Bearer <key>".
 """
 import asyncio
+import hmac
 import json
 import logging
 import math
 import queue
 import threading
 import time
+import uuid
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.api import ChatRequest, CompletionRequest, chunk_body, completion_body, error_body
+from serving.api import ChatRequest, CompletionRequest, chunk_body, completion_body, error_body, usage_body
 
 log = logging.getLogger("dspark.serving")
 api = FastAPI(title="dspark")
@@ -215,9 +220,44 @@ class SpeculativeEngine:
         return {**self.engine.state(), "sps": {"batch": self.sps.batch, "sps": self.sps.sps, "hardware": self.sps.hardware}}
 
 
+OPEN_PATHS = ("/health",)  # every other route needs the key when serve.api_key is set
+UNAVAILABLE = (RayActorError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError)
+
+
+def _kind(status: int) -> str:
+    if status >= 500:
+        return "server_error"
+    return {401: "authentication_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
+
+
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = {401: "authentication_error", 429: "rate_limit_error", 503: "server_error"}.get(status, "invalid_request_error")
-    return JSONResponse(error_body(message, param, kind), status_code=status)
+    return JSONResponse(error_body(message, param, _kind(status)), status_code=status)
+
+
+def authorized(headers: list[tuple[bytes, bytes]], key: str | None) -> bool:
+    """`Authorization: Bearer <key>`, compared in constant time; no key configured: open."""
+    if key is None:
+        return True
+    return hmac.compare_digest(dict(headers).get(b"authorization", b""), b"Bearer " + key.encode())
+
+
+class Auth:
+    """ASGI middleware: the key is checked before any route reads the body, so an unauthenticated
+    request gets a 401 whatever it sends."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].removeprefix(scope.get("root_path", "")) not in OPEN_PATHS:
+            key = serve.get_replica_context().servable_object.sc.api_key
+            if not authorized(scope["headers"], key):
+                await _error(401, "missing or wrong API key (Authorization: Bearer ...)")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+api.add_middleware(Auth)
 
 
 @api.exception_handler(RequestValidationError)
@@ -227,15 +267,79 @@ async def _invalid(request: Request, exc: RequestValidationError):
     loc = [str(x) for x in first.get("loc", []) if x != "body"]
     if first.get("type") == "json_invalid":
         return _error(400, "request body is not valid JSON")
-    if loc == [] and first.get("type") in ("model_attributes_type", "dict_type"):
+    field = ".".join(loc) or (first.get("ctx") or {}).get("field")  # ctx: a model-level check naming its field
+    if field is None:
         return _error(400, "request body must be a JSON object (Content-Type: application/json)")
-    field = ".".join(loc) or None
-    return _error(400, f"{field}: {first.get('msg', 'invalid value')}" if field else first.get("msg", "invalid request"), field)
+    msg = "unknown field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid value")
+    return _error(400, f"{field}: {msg}", field)
 
 
 @api.exception_handler(StarletteHTTPException)
 async def _http(request: Request, exc: StarletteHTTPException):
     return _error(exc.status_code, str(exc.detail))
+
+
+@api.exception_handler(Exception)
+async def _internal(request: Request, exc: Exception):
+    log.error("unhandled error in %s %s: %r", request.method, request.url.path, exc)  # the server logs the trace
+    return _error(503 if isinstance(exc, UNAVAILABLE) else 500, f"internal error ({type(exc).__name__})")
+
+
+async def _events(gen) -> AsyncIterator[tuple]:
+    """The engine's stream as ("text", delta)..., then exactly one ("done", info) or ("error", message,
+    status), also when the engine sends an error without a status, ends early, or the call itself fails
+    (e.g. the replica died)."""
+    try:
+        async for ev in gen:
+            if ev[0] == "error":
+                yield ("error", str(ev[1]), ev[2] if len(ev) > 2 else 500)
+                return
+            yield ev
+            if ev[0] == "done":
+                return
+    except UNAVAILABLE as e:
+        log.warning("engine unavailable: %s", e)
+        yield ("error", f"the engine is unavailable ({type(e).__name__}); retry later", 503)
+        return
+    except Exception as e:
+        log.exception("engine call failed")
+        yield ("error", f"internal error in the engine ({type(e).__name__})", 500)
+        return
+    yield ("error", "the engine's stream ended without a result", 500)
+
+
+async def _collect(ev: tuple, events: AsyncIterator[tuple]) -> tuple[str, tuple]:
+    """A whole answer: its text and the final ("done", ...) or ("error", ...) event."""
+    text = ""
+    while ev[0] == "text":
+        text += ev[1]
+        ev = await anext(events)
+    return text, ev
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _sse(ev: tuple, events: AsyncIterator[tuple], gen, rid: str, model: str, chat: bool) -> AsyncIterator[str]:
+    """Server-sent events: chunks, a last chunk with usage, then [DONE]. An error after the stream has
+    started is sent as an OpenAI-style error event that ends it: never [DONE] after a cut-short answer."""
+    try:
+        if chat:
+            role = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
+            yield _data({**chunk_body(rid, model, "", None, chat), "choices": [role]})
+        while ev[0] == "text":
+            yield _data(chunk_body(rid, model, ev[1], None, chat))
+            ev = await anext(events)
+        if ev[0] == "error":
+            yield _data(error_body(ev[1], kind=_kind(ev[2])))
+            return
+        info = ev[1]
+        yield _data({**chunk_body(rid, model, "", info["finish_reason"], chat), "speculative": info["speculative"],
+                     "usage": usage_body(info)})
+        yield "data: [DONE]\n\n"
+    finally:
+        gen.cancel()  # a disconnected client cancels the engine-side stream, which frees the slot
 
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
@@ -245,19 +349,13 @@ class Ingress:
         self.sc = _cfg(cfg_json).serve
         self.engine, self.calibration = engine, calibration
 
-    def _auth(self, request: Request) -> JSONResponse | None:
-        if self.sc.api_key and request.headers.get("authorization", "") != f"Bearer {self.sc.api_key}":
-            return _error(401, "missing or wrong API key (Authorization: Bearer ...)")
-        return None
-
     @api.get("/health")
     async def health(self):
         return {"status": "ok"}
 
     @api.get("/v1/models")
-    async def models(self, request: Request):
-        return self._auth(request) or {"object": "list", "data": [{"id": self.sc.model_name, "object": "model",
-                                                                  "owned_by": "dspark"}]}
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.sc.model_name, "object": "model", "owned_by": "dspark"}]}
 
     @api.get("/v1/engine")
     async def engine_state(self):
@@ -270,53 +368,36 @@ class Ingress:
         return await self.calibration.stats.remote()
 
     @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest, request: Request):
-        return await self._run(body, request, chat=False)
+    async def completions(self, body: CompletionRequest):
+        return await self._run(body, chat=False)
 
     @api.post("/v1/chat/completions")
-    async def chat(self, body: ChatRequest, request: Request):
-        return await self._run(body, request, chat=True)
+    async def chat(self, body: ChatRequest):
+        return await self._run(body, chat=True)
 
-    async def _run(self, body, request: Request, chat: bool):
-        denied = self._auth(request)
-        if denied:
-            return denied
+    async def _run(self, body, chat: bool):
         if body.model and body.model != self.sc.model_name:
             return _error(404, f"model: unknown model {body.model!r} (serving {self.sc.model_name!r})", "model")
         params = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
-                  "stop": body.stops(), "max_tokens": body.max_tokens or self.sc.max_tokens_default}
+                  "stop": body.stops(), "max_tokens": body.limit() or self.sc.max_tokens_default}
         params.update({"messages": [m.model_dump() for m in body.messages]} if chat else {"prompt": body.prompt})
         gen = self.engine.options(stream=True).generate.remote(params)
-        first = await gen.__anext__()
-        if first[0] == "error":
-            return _error(first[2], first[1], "prompt" if first[2] == 400 else None)
-        model = self.sc.model_name
-        if not body.stream:
-            text, ev = "", first
-            while ev[0] == "text":
-                text += ev[1]
-                ev = await gen.__anext__()
-            if ev[0] == "error":
-                return _error(500, ev[1])
-            return completion_body(f"cmpl-{id(gen)}", model, text, ev[1], chat)
-
-        async def sse():
-            ev, rid = first, f"cmpl-{id(gen)}"
-            try:
-                if chat:
-                    yield f"data: {json.dumps({**chunk_body(rid, model, '', None, chat), 'choices': [{'index': 0, 'delta': {'role': 'assistant'}, 'finish_reason': None}]})}\n\n"
-                while ev[0] == "text":
-                    yield f"data: {json.dumps(chunk_body(rid, model, ev[1], None, chat))}\n\n"
-                    ev = await gen.__anext__()
-                if ev[0] == "done":
-                    last = {**chunk_body(rid, model, "", ev[1]["finish_reason"], chat), "speculative": ev[1]["speculative"],
-                            "usage": {"prompt_tokens": ev[1]["prompt_tokens"], "completion_tokens": ev[1]["completion_tokens"]}}
-                    yield f"data: {json.dumps(last)}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:
-                gen.cancel()  # a disconnected client cancels the engine-side stream, which frees the slot
-
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        events, rid, model = _events(gen), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.sc.model_name
+        streaming = False
+        try:
+            first = await anext(events)
+            if first[0] == "error":
+                return _error(first[2], first[1])
+            if body.stream:
+                streaming = True  # the stream owns the engine call from here
+                return StreamingResponse(_sse(first, events, gen, rid, model, chat), media_type="text/event-stream")
+            text, last = await _collect(first, events)
+            if last[0] == "error":
+                return _error(last[2], last[1])
+            return completion_body(rid, model, text, last[1], chat)
+        finally:
+            if not streaming:
+                gen.cancel()  # finished, failed, or the client went away: the engine frees the slot
 
 
 def build(args: dict) -> serve.Application:

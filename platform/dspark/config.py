@@ -10,14 +10,35 @@ import argparse
 import sys
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from dspark.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOCAL_DIR = REPO_ROOT / ".local"  # project-local, git-ignored state of the embedded defaults
+SECRET_KEYS = ("serve.api_key",)  # never in MLflow params, logs, reprs or error messages
+REDACTED = "<redacted>"
+
+
+def redact(key: str, value: Any) -> Any:
+    """What may be shown of a config value: a secret key's value hidden, a password in a URL masked
+    (e.g. a database tracking URI)."""
+    if value is None:
+        return None
+    if key in SECRET_KEYS:
+        return REDACTED
+    if isinstance(value, str) and "@" in value:
+        try:
+            password = urlsplit(value).password
+        except ValueError:
+            return value
+        if password:
+            return value.replace(f":{password}@", f":{REDACTED}@", 1)
+    return value
 
 
 class ConfigError(UserError):
@@ -191,7 +212,14 @@ class ServeConfig(Section):
     calibration_half_life: float = Field(2000.0, gt=0)  # rounds
     calibration_bias: bool = True  # refit per-position offsets too (false: temperatures only, the paper's STS)
     idle_probe_rounds: int = Field(4, ge=0)  # after a round that verified no draft, skip drafting this many rounds
-    api_key: Optional[str] = None  # when set, requests need "Authorization: Bearer <key>"
+    api_key: Optional[str] = Field(None, repr=False)  # when set, requests need "Authorization: Bearer <key>"
+
+    @field_validator("api_key")
+    @classmethod
+    def _key(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not v.strip():
+            raise PydanticCustomError("empty_key", "must not be empty (leave it unset to serve without a key)")
+        return v
 
 
 class MLflowConfig(Section):
@@ -219,7 +247,7 @@ class Config(Section):
     ray: RayConfig = Field(default_factory=RayConfig)
 
     def flat(self) -> dict[str, Any]:
-        """Dotted key -> value, e.g. for MLflow params."""
+        """Dotted key -> value, e.g. for MLflow params; secrets redacted."""
         out: dict[str, Any] = {}
 
         def walk(prefix: str, node: Any) -> None:
@@ -227,7 +255,7 @@ class Config(Section):
                 for k, v in node.items():
                     walk(f"{prefix}.{k}" if prefix else k, v)
             else:
-                out[prefix] = node
+                out[prefix] = redact(prefix, node)
 
         walk("", self.model_dump())
         return out
@@ -256,7 +284,7 @@ def _describe(err: ValidationError) -> str:
             valid = ", ".join(section.model_fields)
             lines.append(f"{key}: unknown key (valid here: {valid})")
         else:
-            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"{key}: {e['msg']} (got {redact(key, e.get('input'))!r})")
     return "; ".join(lines)
 
 

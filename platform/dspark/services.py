@@ -52,6 +52,14 @@ def _bin(name: str) -> str:
     return found
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (0600): credentials, identities, state with secrets."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its old mode through open()
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def _wait(check, timeout: float, what: str, proc: subprocess.Popen, log: Path, t0: float) -> float:
     """Seconds from t0 (the process start) until check() passes."""
     while time.monotonic() - t0 < timeout:
@@ -189,7 +197,7 @@ class Service:
         except BaseException:
             _kill_group(proc.pid, 2.0)
             raise
-        self.state_file.write_text(json.dumps(asdict(st), indent=2))
+        _write_private(self.state_file, json.dumps(asdict(st), indent=2))  # its env holds the credentials
         return st
 
     def stop(self) -> str:
@@ -231,7 +239,8 @@ class ObjectStore(Service):
         f = self.dir / "credentials.json"
         if not f.exists():
             self.dir.mkdir(parents=True, exist_ok=True)
-            f.write_text(json.dumps({"access_key": "dspark" + secrets.token_hex(4), "secret_key": secrets.token_hex(16)}))
+            _write_private(f, json.dumps({"access_key": "dspark" + secrets.token_hex(4), "secret_key": secrets.token_hex(16)}))
+        f.chmod(0o600)  # also one written before credentials files were private
         c = json.loads(f.read_text())
         return c["access_key"], c["secret_key"]
 
@@ -241,7 +250,7 @@ class ObjectStore(Service):
     def command(self, ports):
         key, secret = self.credentials()
         identities = self.dir / "identities.json"
-        identities.write_text(json.dumps({"identities": [{
+        _write_private(identities, json.dumps({"identities": [{
             "name": "dspark", "credentials": [{"accessKey": key, "secretKey": secret}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         data = self.dir / "data"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -27,8 +27,8 @@ class Storage:
     endpoint_url: str | None = None
     region: str | None = None
     retry_attempts: int = 10
-    access_key: str | None = None
-    secret_key: str | None = None
+    access_key: str | None = field(default=None, repr=False)  # credentials never show in reprs or logs
+    secret_key: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, cfg) -> "Storage":

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from dspark.config import LOCAL_DIR, Config
+from dspark.config import LOCAL_DIR, Config, redact
 from dspark.errors import UserError
 
 
@@ -75,8 +75,9 @@ class Tracker:
         self._last = time.monotonic()
 
     def params(self, values: dict) -> None:
+        """Logged as strings of at most 500 characters, secrets redacted (see config.redact)."""
         if self.mlflow:
-            self.mlflow.log_params({k: str(v)[:500] for k, v in values.items()})
+            self.mlflow.log_params({k: str(redact(k, v))[:500] for k, v in values.items()})
 
     def artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         if self.mlflow:

@@ -1,0 +1,198 @@
+"""The HTTP ingress against a scripted engine (no Ray): engine errors (first or mid-stream, with or
+without a status, or the engine call itself failing) become JSON errors or an SSE error event, seeds
+and OpenAI fields are checked, and the API key guards every route but /health before the body is read."""
+import json
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+from ray import serve
+from ray.exceptions import RayActorError
+
+from dspark.config import load_config
+from serving import app as serving
+
+KEY = "k-123"
+DONE = ("done", {"finish_reason": "length", "completion_tokens": 2, "prompt_tokens": 3, "speculative": {"rounds": 1}})
+
+
+class Call:
+    """What `engine.options(stream=True).generate.remote(body)` returns (like Ray's
+    DeploymentResponseGenerator): an async iterator of events, then `fail` raised if given."""
+
+    def __init__(self, events, fail):
+        self.events, self.fail, self.cancelled = iter(events), fail, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        for ev in self.events:
+            return ev
+        raise self.fail or StopAsyncIteration
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class Engine:
+    """A scripted engine deployment handle: every request gets `events`, then `fail` is raised."""
+
+    def __init__(self, *events, fail=None):
+        self.events, self.fail, self.bodies, self.calls = list(events), fail, [], []
+        self.generate = SimpleNamespace(remote=self._generate)
+        self.state = SimpleNamespace(remote=self._state)
+
+    def options(self, stream):
+        return self
+
+    def _generate(self, body):
+        self.bodies.append(body)
+        self.calls.append(Call(self.events, self.fail))
+        return self.calls[-1]
+
+    async def _state(self):
+        return {"active": 0, "waiting": 0}
+
+
+def client(monkeypatch, engine, *overrides):
+    """The real FastAPI app, routed to an Ingress whose engine is `engine` (as in a Serve replica)."""
+    cfg = load_config(overrides=list(overrides))
+    ingress = serving.Ingress.func_or_class.__bases__[0](cfg.model_dump_json(), engine)  # the class as written
+    monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(servable_object=ingress))
+    return TestClient(serving.api, raise_server_exceptions=False)
+
+
+def sse(r) -> list:
+    return [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("events, fail, status, message", [
+    ([("error", "4 requests already waiting", 429)], None, 429, "already waiting"),
+    ([("error", "KV cache full")], None, 500, "KV cache full"),  # an error without a status
+    ([("text", "ab"), ("error", "round failed")], None, 500, "round failed"),  # mid-answer
+    ([("text", "ab"), ("error", "cannot fit now", 503)], None, 503, "cannot fit"),
+    ([], RayActorError(), 503, "unavailable"),  # the replica died
+    ([("text", "ab")], RuntimeError("lost"), 500, "RuntimeError"),
+    ([("text", "ab")], None, 500, "without a result"),  # the stream ended without done or error
+])
+def test_engine_errors_become_json_errors_with_their_status(monkeypatch, events, fail, status, message):
+    engine = Engine(*events, fail=fail)
+    r = client(monkeypatch, engine).post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]["message"]
+    assert engine.calls[0].cancelled  # the engine-side call is released
+
+
+@pytest.mark.parametrize("events, fail, status, message", [
+    ([("text", "ab"), ("error", "round failed")], None, 500, "round failed"),
+    ([("text", "ab"), ("error", "cannot fit now", 503)], None, 503, "cannot fit"),
+    ([("text", "ab")], RayActorError(), 503, "unavailable"),
+])
+@pytest.mark.parametrize("chat", [False, True])
+def test_error_mid_stream_is_an_error_event_never_done(monkeypatch, events, fail, status, message, chat):
+    engine = Engine(*events, fail=fail)
+    route, body = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}) if chat else \
+        ("/v1/completions", {"prompt": "x"})
+    with client(monkeypatch, engine).stream("POST", route, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        data = sse(r)
+    assert "[DONE]" not in data  # a cut-short answer never looks complete
+    err = json.loads(data[-1])["error"]
+    assert message in err["message"] and err["type"] == "server_error"
+    texts = [json.loads(d)["choices"][0].get("text") or json.loads(d)["choices"][0]["delta"].get("content") for d in data[:-1]]
+    assert "ab" in texts and engine.calls[0].cancelled
+
+
+def test_stream_that_completes_ends_with_usage_and_done(monkeypatch):
+    engine = Engine(("text", "ab"), DONE)
+    with client(monkeypatch, engine).stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+        data = sse(r)
+    assert data[-1] == "[DONE]" and json.loads(data[-2])["usage"]["total_tokens"] == 5
+
+
+def test_seed_none_passes_through_and_out_of_range_seeds_are_400(monkeypatch):
+    engine = Engine(("text", "ab"), DONE)
+    c = client(monkeypatch, engine)
+    assert c.post("/v1/completions", json={"prompt": "x", "temperature": 1}).status_code == 200
+    assert engine.bodies[-1]["seed"] is None  # the engine picks a fresh seed, not 0 for everyone
+    assert c.post("/v1/completions", json={"prompt": "x", "seed": None, "temperature": None}).status_code == 200
+    assert engine.bodies[-1]["seed"] is None and engine.bodies[-1]["temperature"] == 1.0  # null: unset
+    assert c.post("/v1/completions", json={"prompt": "x", "seed": 2 ** 63 - 1}).status_code == 200
+    for seed in (2 ** 63, 2 ** 64, -1):
+        r = c.post("/v1/completions", json={"prompt": "x", "seed": seed})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+    assert len(engine.bodies) == 3
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"logprobs": 2}, "logprobs"), ({"logprobs": True}, "logprobs"), ({"top_logprobs": 3}, "top_logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
+    ({"logit_bias": {"42": 100}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"), ({"n": 2}, "n"),
+    ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"), ({"suffix": "}"}, "suffix"),
+    ({"frobnicate": 1}, "frobnicate"), ({"max_completion_tokens": 4}, "max_completion_tokens"),  # chat only
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"),
+])
+def test_unsupported_and_unknown_fields_are_400_naming_them(monkeypatch, extra, named):
+    engine = Engine(("text", "ab"), DONE)
+    content = json.dumps({"prompt": "x", **extra})  # NaN and Infinity as Python's json writes them
+    r = client(monkeypatch, engine).post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == named and r.json()["error"]["message"].startswith(f"{named}:")
+    assert engine.bodies == []
+
+
+@pytest.mark.parametrize("extra", [
+    {"logprobs": None}, {"logprobs": False}, {"logprobs": 0}, {"presence_penalty": 0}, {"frequency_penalty": 0.0},
+    {"logit_bias": {}}, {"response_format": {"type": "text"}}, {"tools": []}, {"n": 1}, {"best_of": 1}, {"echo": False},
+    {"user": "u-1", "metadata": {"a": "b"}, "store": False, "service_tier": "auto", "stream_options": {"include_usage": True}},
+])
+def test_neutral_values_and_metadata_are_accepted(monkeypatch, extra):
+    engine = Engine(("text", "ab"), DONE)
+    r = client(monkeypatch, engine).post("/v1/completions", json={"prompt": "x", **extra})
+    assert r.status_code == 200, r.text
+    assert not set(extra) & set(engine.bodies[0])
+
+
+def test_max_completion_tokens_sets_the_chat_limit(monkeypatch):
+    engine = Engine(("text", "ab"), DONE)
+    c = client(monkeypatch, engine)
+    msgs = [{"role": "user", "content": "x"}]
+    assert c.post("/v1/chat/completions", json={"messages": msgs, "max_completion_tokens": 7}).status_code == 200
+    assert c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 5}).status_code == 200
+    assert [b["max_tokens"] for b in engine.bodies] == [7, 5]
+    r = c.post("/v1/chat/completions", json={"messages": msgs, "max_completion_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+
+
+def test_api_key_guards_every_route_but_health_before_the_body_is_read(monkeypatch):
+    compared = []
+    monkeypatch.setattr(serving.hmac, "compare_digest", lambda a, b: compared.append(1) or a == b)
+    engine = Engine(("text", "ab"), DONE)
+    c = client(monkeypatch, engine, f"serve.api_key={KEY}")
+    good, wrong = {"Authorization": f"Bearer {KEY}"}, {"Authorization": "Bearer k-124"}
+    assert c.get("/health").status_code == 200
+    for path in ("/v1/models", "/v1/engine", "/v1/calibration"):
+        assert c.get(path).status_code == 401 and c.get(path, headers=wrong).status_code == 401, path
+        assert c.get(path, headers=good).status_code in (200, 404), path  # 404: calibration off here
+    json_headers = {"Content-Type": "application/json"}
+    for body in (b"{not json", b"[]", b'{"prompt": "x", "seed": -1}', b'{"prompt": "x"}'):
+        r = c.post("/v1/completions", content=body, headers=json_headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", body
+    r = c.post("/v1/completions", content=b"{}", headers={**json_headers, "Authorization": b"Bearer \xff\xfe"})
+    assert r.status_code == 401  # not a crash on a non-ASCII header
+    assert c.post("/v1/completions", json={"prompt": "x"}, headers=good).status_code == 200
+    assert engine.bodies == [{**engine.bodies[0], "prompt": "x"}] and compared  # constant-time compare
+
+
+def test_bad_bodies_are_400_without_a_key(monkeypatch):
+    c = client(monkeypatch, Engine(("text", "ab"), DONE))
+    for body, named in ((b"{not json", "not valid JSON"), (b"[]", "JSON object"), (b"null", "JSON object"),
+                        (b'{"prompt": 3}', "prompt"), (b'{"messages": []}', "messages"),
+                        (b'{"prompt": "\\ud800"}', "prompt"),  # a lone surrogate: no tokenizer takes it
+                        (b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', "messages.0.content")):
+        route = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+        r = c.post(route, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and named in r.json()["error"]["message"], (body, r.text)
