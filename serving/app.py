@@ -42,9 +42,10 @@ def _cfg(cfg_json: str):
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0},
                   logging_config={"enable_access_log": False})
-class Calibration:
+class CalibrationActor:
     """Named per model pair (deployment `calibration-<model>`): aggregates per-position acceptance
-    outcomes from every engine replica, refits the STS calibration, hands it back to the engines."""
+    outcomes from every engine replica, refits the STS calibration, hands it back to the engines.
+    Serve runs these sync methods on a thread pool: one lock keeps add/refit and the reads apart."""
 
     def __init__(self, cfg_json: str, gamma: int, start: dict | None):
         from dspark.calibration.online import OnlineCalibrator
@@ -54,19 +55,23 @@ class Calibration:
         self.cal = OnlineCalibrator(gamma, STS.from_dict(start) if start else None, bias=sc.calibration_bias,
                                     half_life=sc.calibration_half_life, min_rounds=sc.calibration_min_rounds,
                                     refit_every=sc.calibration_refit_every)
+        self.lock = threading.Lock()
 
     def add(self, rounds: list) -> int:
-        self.cal.add(rounds)
-        return self.cal.version
+        with self.lock:
+            self.cal.add(rounds)
+            return self.cal.version
 
     def current(self) -> dict:
         """What the engines poll every second: the calibration in force and the live error (cheap: the
         recent window only; `stats` reports over every held round)."""
-        err = self.cal.live_error()
-        return {"version": self.cal.version, **self.cal.cal.to_dict(), "live_error": None if math.isnan(err) else err}
+        with self.lock:
+            err = self.cal.live_error()
+            return {"version": self.cal.version, **self.cal.cal.to_dict(), "live_error": None if math.isnan(err) else err}
 
     def stats(self) -> dict:
-        return self.cal.stats()
+        with self.lock:
+            return self.cal.stats()
 
 
 class EngineMetrics:
@@ -413,7 +418,7 @@ def build(args: dict) -> serve.Application:
     calibration = None
     if cfg.serve.calibration and cfg.serve.drafter_uri:
         gamma, start = _drafter_calibration(cfg)
-        calibration = Calibration.options(name=f"calibration-{cfg.serve.model_name}").bind(
+        calibration = CalibrationActor.options(name=f"calibration-{cfg.serve.model_name}").bind(
             cfg_json, gamma, start.to_dict() if start else None)
     engine = SpeculativeEngine.options(num_replicas=cfg.serve.num_replicas).bind(cfg_json, calibration)
     return Ingress.bind(cfg_json, engine, calibration)
