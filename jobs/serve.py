@@ -5,8 +5,13 @@
     serve run serving/config.yaml          # the same application from a Serve config file
 
 Then: curl 127.0.0.1:8000/v1/completions -d '{"prompt": "def add(a, b):", "max_tokens": 32}'
+
+Ctrl-C (or SIGTERM), at any point, even with an engine that no longer responds: on the local Ray this
+job started, every Ray process it started is stopped; on a cluster (`ray.address`, or as a Ray job)
+the Serve application is shut down.
 """
 import argparse
+import signal
 import time
 
 import _bootstrap  # noqa: F401
@@ -14,21 +19,44 @@ import _bootstrap  # noqa: F401
 from dspark.config import add_config_args, config_from_args, run_main
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv=None):
     args = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv)
     cfg = config_from_args(args)
+    from dspark.cluster import cluster_address
     from serving.app import run_local
 
-    url = run_local(cfg)
-    print(f"[serve] {cfg.serve.model_name} on {url} (policy {cfg.serve.policy}, drafter {cfg.serve.drafter_uri or 'none'});"
-          " Ctrl-C stops it")
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` and `ray job stop` stop it like Ctrl-C
+    local = cluster_address(cfg) is None
     try:
+        url = run_local(cfg)
+        print(f"[serve] {cfg.serve.model_name} on {url} (policy {cfg.serve.policy}, drafter {cfg.serve.drafter_uri or 'none'});"
+              " Ctrl-C stops it")
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        from ray import serve
+        print("[serve] stopping", flush=True)
+    finally:
+        stop(local)
 
-        serve.shutdown()
+
+def stop(local: bool) -> None:
+    """Bounded and deaf to a second Ctrl-C: a half-stopped local Ray is what must not happen. The local
+    Ray is stopped as a whole, without asking its (possibly wedged) replicas to drain first."""
+    import ray
+    from ray import serve
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    if not ray.is_initialized():
+        return
+    if not local:
+        serve.shutdown()  # Ray bounds the wait for the replicas, then kills them
+        return
+    ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ cache from storage, tracked in MLflow; then evaluate it offline into the same ML
         --set storage.root=s3://bucket/dspark --set train.num_workers=8 --set train.gpus_per_worker=1 \\
         --set train.bf16=true --set target.name_or_path=Qwen/Qwen3-4B --set mlflow.tracking_uri=http://mlflow:5000
 
-Rerunning with the same --set train.run_name=NAME resumes from its latest checkpoint.
+Rerunning with the same --set train.run_name=NAME resumes from its latest checkpoint. With no
+finished cache at cache.uri (default <storage.root>/caches/<cache.name>) the job builds it first with
+its cache.* settings, as jobs/build_cache.py would; a damaged or incompatible cache is an error.
 """
 import argparse
 import tempfile
@@ -23,18 +25,21 @@ def main(argv=None):
     args = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv)
     cfg = config_from_args(args)
     from dspark.cache.build import build_cache, cache_uri
-    from dspark.cache.read import CacheError, open_cache
+    from dspark.cache.read import open_cache
     from dspark.cluster import init_ray
     from dspark.storage import Storage
     from dspark.train import distributed
 
     storage = Storage.from_config(cfg.storage)
     storage.check(cfg.storage.root)
+    uri = cache_uri(cfg)
+    finished = cache_finished(storage, uri)
+    if finished:
+        open_cache(uri, storage)  # damaged or incompatible: one line naming it, before any work
     init_ray(cfg)
-    try:
-        open_cache(cache_uri(cfg), storage)
-    except CacheError:
-        print(f"[train] no cache at {cache_uri(cfg)}: building it first")
+    if not finished:
+        print(f"[train] no finished cache at {uri}: building it first with this job's cache.* settings "
+              f"(what jobs/build_cache.py does)")
         build_cache(cfg)
     res = distributed.fit(cfg)
     m = res["metrics"] or {}
@@ -42,6 +47,15 @@ def main(argv=None):
           f"{m.get('expected_tau', float('nan')):.3f}; drafter exported to {res['out_uri']}; MLflow run {res['run_id']}")
     if cfg.train.evaluate:
         evaluate_into_run(cfg, storage, res)
+
+
+def cache_finished(storage, uri: str) -> bool:
+    """A build publishes its manifest last: without one there is no cache yet, or an unfinished one."""
+    from dspark.cache.format import MANIFEST
+    from dspark.storage import Storage
+
+    fs, path = storage.pyarrow_fs(Storage.join(uri, MANIFEST))
+    return fs.get_file_info(path).type.name == "File"
 
 
 def evaluate_into_run(cfg, storage, res) -> None:

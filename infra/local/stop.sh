@@ -3,4 +3,5 @@
 #   infra/local/stop.sh [objectstore] [ray] [mlflow]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
+export PYTHONPATH="$root/platform${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's library and state
 exec "$root/.venv/bin/python" -m dspark.services stop "$@"

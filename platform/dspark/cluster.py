@@ -19,6 +19,13 @@ def runtime_env() -> dict:
         return {"py_modules": [str(lib), str(lib.parents[1] / "serving")]}
 
 
+def cluster_address(cfg) -> str | None:
+    """The cluster to join: `ray.address`, else RAY_ADDRESS when it is a cluster address (as inside a
+    Ray job; an http:// dashboard address is for `ray job submit`, not ray.init); None = start a local Ray."""
+    env_address = os.environ.get("RAY_ADDRESS", "")
+    return cfg.ray.address or (env_address if env_address and not env_address.startswith("http") else None)
+
+
 def init_ray(cfg) -> None:
     """`cfg` is the root Config. Inside a Ray job the driver joins its cluster; `ray.address` names a
     cluster explicitly; otherwise a local Ray is started. Idempotent."""
@@ -27,12 +34,9 @@ def init_ray(cfg) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    address = cfg.ray.address
-    env_address = os.environ.get("RAY_ADDRESS", "")
-    if env_address.startswith("http"):
-        os.environ.pop("RAY_ADDRESS")  # a job-submission (dashboard) address, not for ray.init
-    elif address is None and env_address:
-        address = env_address  # running as a Ray job: join the cluster it runs on
+    address = cluster_address(cfg)
+    if os.environ.get("RAY_ADDRESS", "").startswith("http"):
+        os.environ.pop("RAY_ADDRESS")  # or ray.init would try to use it
     kwargs: dict = {"runtime_env": runtime_env(), "ignore_reinit_error": True}
     if address:
         ray.init(address=address, **kwargs)

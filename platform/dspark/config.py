@@ -7,6 +7,7 @@ Unknown keys and values of the wrong type are errors that name the dotted key.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -19,7 +20,9 @@ from pydantic_core import PydanticCustomError
 from dspark.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-LOCAL_DIR = REPO_ROOT / ".local"  # project-local, git-ignored state of the embedded defaults
+# project-local, git-ignored state of the embedded defaults (MLflow store, local storage root, services);
+# DSPARK_LOCAL_DIR names the checkout's when a job runs from a copy of it (a Ray job's working_dir)
+LOCAL_DIR = Path(os.environ.get("DSPARK_LOCAL_DIR") or REPO_ROOT / ".local")
 SECRET_KEYS = ("serve.api_key",)  # never in MLflow params, logs, reprs or error messages
 REDACTED = "<redacted>"
 

