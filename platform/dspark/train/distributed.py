@@ -72,9 +72,11 @@ def _drafter_for(cfg: Config, manifest, device):
 
 
 def _mask_id(cfg: Config) -> int:
+    """The parallel drafters' block filler as the target is configured (target.mask_token, else the
+    tokenizer's own or an unused special token); recorded in the drafter's config."""
     from dspark import target as targets
 
-    tok = targets.tokenizer_for(cfg.target.name_or_path)
+    tok = targets.tokenizer_from_config(cfg.target)
     if tok.mask_token_id is None:
         raise UserError(f"the tokenizer of target {cfg.target.name_or_path} has no mask token; parallel drafters need one")
     return tok.mask_token_id
