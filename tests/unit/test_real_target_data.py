@@ -91,3 +91,24 @@ def test_evaluation_on_named_prompt_sets_measures_every_turn(tmp_path):
     assert set(rows) == {("target", "chat"), ("d", "chat"), ("target", "code"), ("d", "code")}
     assert rows[("d", "chat")].prompts == 3 and rows[("target", "code")].speedup == 1.0
     assert "| d | chat | 0 | 2 |" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_drafter_of_a_bfloat16_target_trains_in_float32():
+    """target.dtype=bfloat16 (the SmolLM2 config) runs the target in bf16; the drafter and its frozen
+    copy of the target's head stay float32 for training, so every kind's loss backpropagates."""
+    from types import SimpleNamespace
+
+    from dspark.train.distributed import _drafter_for
+    from dspark.train.loss import LossWeights, drafter_loss
+
+    t = 24
+    batch = {"input_ids": torch.randint(0, 4000, (2, t)), "loss_mask": torch.ones(2, t, dtype=torch.bool),
+             "valid": torch.ones(2, t, dtype=torch.bool), "features": torch.randn(2, t, 3, 256),
+             "last_hidden": torch.randn(2, t, 256)}
+    for kind in ("dspark", "dflash", "eagle3"):
+        cfg = load_config(overrides=["target.dtype=bfloat16", f"train.drafter={kind}", "train.num_layers=1",
+                                     "train.gamma=3", "train.markov_rank=8"])
+        drafter = _drafter_for(cfg, SimpleNamespace(layers=[1, 2, 3], target={"name": "builtin"}), "cpu")
+        assert all(p.dtype == torch.float32 for p in drafter.parameters())
+        loss, _, _ = drafter_loss(drafter, batch, 3, 4, LossWeights.from_config(cfg.train), torch.Generator().manual_seed(0))
+        loss.backward()
