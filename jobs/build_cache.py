@@ -1,4 +1,5 @@
-"""Build the target cache of the built-in corpus (or finish an interrupted build).
+"""Build the target cache of `cache.sources` (the built-in corpus and/or JSONL conversations), or finish
+an interrupted build.
 
     python jobs/build_cache.py --set cache.max_examples=512
     python jobs/build_cache.py --set storage.root=s3://dspark/demo --set cache.codec=fp8

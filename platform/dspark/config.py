@@ -122,8 +122,12 @@ class CacheConfig(Section):
     layers: list[int] = Field(default_factory=list)  # [] = evenly spread over depth
     num_layers: int = Field(3, ge=1)  # how many layers when `layers` is empty
     codec: Literal["bf16", "fp8"] = "bf16"
-    shard_rows: int = Field(256, ge=1)
-    max_examples: int = Field(0, ge=0)  # 0 = all train examples
+    # "builtin" (the built-in corpus's train split) and/or JSONL files (paths, file:// or s3://) of prompts or
+    # conversations: OpenAI `messages`, ShareGPT `conversations`, {"turns": [...]} or {"prompt": ...}
+    sources: list[str] = Field(default_factory=lambda: ["builtin"], min_length=1)
+    skip_bad_records: bool = False  # false: a bad JSONL line is an error naming file and line; true: counted and skipped
+    shard_rows: int = Field(256, ge=1)  # conversations per shard (a shard holds one row per assistant turn)
+    max_examples: int = Field(0, ge=0)  # conversations from each source; 0 = all
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.8, ge=0)  # regeneration sampling (0 = greedy)
     top_p: float = Field(0.95, gt=0, le=1)
@@ -177,7 +181,10 @@ class EvalConfig(Section):
     gamma: Optional[int] = Field(None, ge=1)  # None = each drafter's trained gamma (its config.json)
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0])
     max_new_tokens: int = Field(96, ge=1)
-    prompts_per_domain: int = Field(32, ge=1)
+    prompts_per_domain: int = Field(32, ge=1)  # conversations per domain or prompt set
+    # named prompt sets, name -> JSONL file (path, file:// or s3://; any cache.sources format; each user turn
+    # is one measured request, earlier answers are the target's own). {} = the built-in corpus's held-out domains
+    prompt_sets: dict[str, str] = Field(default_factory=dict)
     # Calibration (STS fit on validation, ECE/AUROC on held-out): many more rounds than the speed
     # evaluation, decoded `calibration_batch` requests at a time (batching does not change outcomes'
     # law, only the wall clock). ECE is only meaningful well above its noise floor (~1.1/sqrt(rounds)).

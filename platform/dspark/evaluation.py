@@ -15,10 +15,13 @@ import numpy as np
 
 from dspark import plots
 from dspark.calibration import sts
+from dspark.cache.build import regenerate
+from dspark.corpus.conversations import load_jsonl, spread
 from dspark.corpus.examples import split_examples
-from dspark.corpus.tokenizer import encode_prompt
+from dspark.corpus.tokenizer import chat_ids
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder, full_length
+from dspark.storage import Storage
 
 
 @dataclass
@@ -40,16 +43,41 @@ class RunResult:
 
 
 def prompts_for(cfg, corpus, domain: str, split: str, n: int, tokenizer) -> list[list[int]]:
-    exs = split_examples(corpus, domain, split, cfg.corpus)
-    step = max(1, len(exs) // n)  # spread over the split instead of the first file's functions
-    return [encode_prompt(tokenizer, e.prompt) for e in exs[::step][:n]]
+    """Built-in corpus prompts, rendered with the target's chat template (spread over the split instead
+    of the first file's functions)."""
+    exs = spread(split_examples(corpus, domain, split, cfg.corpus), n)
+    return [chat_ids(tokenizer, e.prompt, True, cfg.target.chat_template_kwargs) for e in exs]
+
+
+def set_prompts(cfg, target, uri: str) -> list[list[int]]:
+    """A named prompt set (JSONL, any cache.sources format), eval.prompts_per_domain conversations: one
+    prompt per user turn, the paper's multi-turn protocol. Turn t follows the target's own greedy answers
+    to turns 1..t-1, generated once here so that every drafter (and plain decoding) sees the same context."""
+    ec = cfg.eval
+    convs = spread(load_jsonl(uri, Storage.from_config(cfg.storage)).conversations, ec.prompts_per_domain)
+    cc = cfg.cache.model_copy(update={"temperature": 0.0, "max_new_tokens": ec.max_new_tokens})
+    turns = regenerate(target.model, target.tokenizer, convs, cc, ec.seed, target.eos_token_ids,
+                       cfg.target.chat_template_kwargs, answer_last=False)
+    return [p for ts in turns for p, _ in ts]
+
+
+def eval_prompts(cfg, target, corpus) -> dict[str, list[list[int]]]:
+    """Prompts per evaluated set: eval.prompt_sets by name, else the built-in corpus's held-out domains."""
+    ec = cfg.eval
+    if ec.prompt_sets:
+        return {name: set_prompts(cfg, target, uri) for name, uri in ec.prompt_sets.items()}
+    return {d: prompts_for(cfg, corpus, d, "heldout", ec.prompts_per_domain, target.tokenizer) for d in ("code", "prose")}
 
 
 def decode(target_model, drafter, prompts: list[list[int]], sp: SamplingParams, gamma: int, max_new: int,
-           eos: int, seed: int = 0, calibration=None, policy=full_length) -> list[Request]:
-    """Batch 1, one prompt after another (the paper's offline protocol)."""
+           eos: int | tuple[int, ...], seed: int = 0, calibration=None, policy=full_length) -> list[Request]:
+    """Batch 1, one prompt after another (the paper's offline protocol); `eos`: the id(s) that end a response."""
     dec = SpeculativeDecoder(target_model, drafter, gamma=gamma, policy=policy, max_slots=1, calibration=calibration)
-    return dec.run([Request(p, sp, max_new, seed + i, (eos,)) for i, p in enumerate(prompts)])
+    return dec.run([Request(p, sp, max_new, seed + i, _stop(eos)) for i, p in enumerate(prompts)])
+
+
+def _stop(eos: int | tuple[int, ...]) -> tuple[int, ...]:
+    return (eos,) if isinstance(eos, int) else tuple(eos)
 
 
 def acceptance(requests: list[Request], gamma: int) -> tuple[list[float], list[float]]:
@@ -73,12 +101,12 @@ def summarize(name: str, domain: str, sp: SamplingParams, gamma: int, reqs: list
                      1e3 * sum(q.verify_s for q in reqs) / max(rounds, 1), tokens / max(decode_s, 1e-9))
 
 
-def calibration_rounds(target_model, drafter, prompts, gamma: int, max_new: int, eos: int, seed: int,
-                       batch: int) -> sts.Observations:
+def calibration_rounds(target_model, drafter, prompts, gamma: int, max_new: int, eos: int | tuple[int, ...],
+                       seed: int, batch: int) -> sts.Observations:
     """Rounds at T=1 with every draft verified, `batch` requests at a time (each request keeps its own
     generator, so batching changes only the wall clock): the confidence logits and the outcomes."""
     dec = SpeculativeDecoder(target_model, drafter, gamma=gamma, max_slots=batch)
-    reqs = dec.run([Request(p, SamplingParams(1.0), max_new, seed + i, (eos,)) for i, p in enumerate(prompts)])
+    reqs = dec.run([Request(p, SamplingParams(1.0), max_new, seed + i, _stop(eos)) for i, p in enumerate(prompts)])
     return sts.Observations.from_rounds([r for q in reqs for r in q.rounds])
 
 
@@ -89,7 +117,7 @@ def calibration_study(cfg, target, drafter, corpus, log=print) -> dict:
     on half of the domain's held-out prompts and reports on the other half (two-fold), i.e. what the
     online calibration actor converges to when traffic is that domain. Plus the threshold sweep."""
     ec = cfg.eval
-    eos = target.tokenizer.eos_token_id
+    eos = target.eos_token_ids
     gamma = ec.gamma or drafter.c.gamma
 
     def rounds(ps: list[list[int]], seed: int) -> sts.Observations:
@@ -223,10 +251,11 @@ def plot_sweep(sweeps: dict, path: Path) -> None:
 
 
 def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool = True, log=print) -> dict:
-    """Evaluate each named drafter (and plain target decoding) per held-out domain and temperature."""
+    """Evaluate each named drafter (and plain target decoding) per held-out domain or named prompt set
+    (eval.prompt_sets) and temperature."""
     out_dir.mkdir(parents=True, exist_ok=True)
     ec = cfg.eval
-    eos = target.tokenizer.eos_token_id
+    eos = target.eos_token_ids
     results: list[RunResult] = []
     cal_by: dict = {}  # name -> the calibration study (JSON)
     shipped: dict = {}  # name -> the Calibration saved with the drafter
@@ -238,8 +267,7 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
                              out_dir / f"reliability_{name}.png")
             plot_sweep({f"{name} ({d})": v["threshold_sweep"] for d, v in cal["domains"].items()},
                        out_dir / f"threshold_sweep_{name}.png")
-    for domain in ("code", "prose"):
-        prompts = prompts_for(cfg, corpus, domain, "heldout", ec.prompts_per_domain, target.tokenizer)
+    for domain, prompts in eval_prompts(cfg, target, corpus).items():
         for t in ec.temperatures:
             sp = SamplingParams(t)
             t0 = time.perf_counter()

@@ -1,6 +1,9 @@
 """The cache pipeline for real: Ray Data actors build shards through s3:// on the local object store,
 a streaming Ray Data read decodes them (and verifies their checksums), a build killed mid-way
-finishes on rerun, a rerun with other settings is refused, and the builder's lock works on S3."""
+finishes on rerun, a rerun with other settings is refused, the builder's lock works on S3, and the
+user's JSONL conversations on s3:// are regenerated turn by turn by a non-built-in target with its
+own chat template."""
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +21,8 @@ from dspark.cache.format import MANIFEST
 from dspark.cache.lock import CacheLock
 from dspark.cache.read import check_shards, dataset, decode_batch, open_cache
 from dspark.config import load_config
+from dspark.corpus.conversations import parse_jsonl
+from dspark.corpus.tokenizer import chat_ids
 from dspark.errors import UserError
 from dspark.services import BUCKET
 from dspark.storage import Storage
@@ -142,3 +147,58 @@ def test_the_lock_is_exclusive_on_the_object_store(object_store):
                 f.write(b"{}")
         lock.check()  # ...and the create overwrote nothing
     assert not lock.fs.exists(lock.path)
+
+
+CHATML = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A tiny random Llama target folder with the built-in tokenizer, a chat template unlike the built-in
+    format (no BOS, newlines) and no pad token of its own (so pad is its EOS, as for SmolLM2)."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    tok = targets.tokenizer_for("builtin")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   eos_token_id=tok.eos_token_id, bos_token_id=None, pad_token_id=None)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(folder))
+    tok.chat_template, tok.pad_token = CHATML, None
+    tok.save_pretrained(str(folder))
+    return str(folder)
+
+
+def test_jsonl_conversations_from_s3_on_a_tiny_llama(ray_local, tiny_llama):
+    """cache.sources = a JSONL file on s3:// in two formats, one conversation multi-turn: one row per
+    assistant turn, each prompt the target's chat template over the conversation so far with the
+    target's own earlier answers, each answer ending at its first EOS (pad == EOS)."""
+    records = [{"turns": ["Write a loop.", "Now in reverse."]}, {"messages": [{"role": "system", "content": "terse"},
+               {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "dropped"}]}, {"prompt": "Bye"}]
+    text = "\n".join(json.dumps(r) for r in records) + "\n"
+    storage = Storage.from_config(load_config().storage)
+    fs, path = storage.pyarrow_fs(f"s3://{BUCKET}/it/data/chats.jsonl")
+    with fs.open_output_stream(path) as f:
+        f.write(text.encode())
+    cfg = _cfg("tiny-llama", f"target.name_or_path={tiny_llama}", f"cache.sources=[s3://{BUCKET}/it/data/chats.jsonl]",
+               "cache.shard_rows=2", "cache.max_new_tokens=6", "cache.temperature=1.0", "cache.layers=[1,3]")
+    m = build_cache(cfg)
+    assert m.rows == 4 and len(m.shards) == 2 and m.layers == [1, 3] and m.hidden_size == 32
+    tok = targets.tokenizer_from_config(cfg.target)
+    eos = tok.eos_token_id
+    assert tok.pad_token_id == eos
+    rows = dataset(open_cache(cache_uri(cfg), storage)).to_pandas().set_index("seq_id")
+    assert sorted(rows.index) == ["chats:1", "chats:1/turn2", "chats:2", "chats:3"]
+    answers = {}
+    for conv in parse_jsonl(text, "chats.jsonl", "chats")[0]:
+        for t in range(len(conv.turns)):
+            row = rows.loc[conv.conv_id if t == 0 else f"{conv.conv_id}/turn{t + 1}"]
+            ids, mask = list(row["input_ids"]), list(row["loss_mask"])
+            n = mask.index(1)
+            assert ids[:n] == chat_ids(tok, conv.messages(answers.get(conv.conv_id, [])))  # the target's template
+            assert not any(mask[:n]) and all(mask[n:])
+            resp = ids[n:]
+            assert (resp[-1] == eos and eos not in resp[:-1]) or (len(resp) == 6 and eos not in resp)
+            answers.setdefault(conv.conv_id, []).append(tok.decode(resp, skip_special_tokens=True))

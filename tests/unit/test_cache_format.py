@@ -12,7 +12,7 @@ import torch
 
 from dspark import target as targets
 from dspark.cache import codec as codecs
-from dspark.cache.build import build_cache, make_rows, publish_shard, regenerate, transcode
+from dspark.cache.build import build_cache, make_rows, publish_shard, regenerate, transcode, turn_rows
 from dspark.cache.format import MANIFEST, Manifest, estimate_bytes
 from dspark.cache.lock import CacheLock
 from dspark.cache.read import CacheError, check_shards, decode_batch, iter_local, open_cache
@@ -20,7 +20,7 @@ from dspark.config import load_config
 from dspark.errors import UserError
 from dspark.corpus.examples import split_examples
 from dspark.corpus.sources import Corpus
-from dspark.corpus.tokenizer import encode_prompt
+from dspark.corpus.conversations import Conversation
 from dspark.storage import Storage
 from dspark.target.taps import default_layers, extract, resolve_layers
 
@@ -54,14 +54,13 @@ def built(tmp_path_factory):
     tgt = targets.load("builtin")
     cfg = load_config(overrides=["cache.max_new_tokens=24"])
     exs = split_examples(Corpus.load(cfg.corpus), "code", "heldout", cfg.corpus)[:6]
-    prompts = [e.prompt for e in exs]
-    seqs = regenerate(tgt.model, tgt.tokenizer, prompts, cfg.cache, seed=0)
-    n_prompt = [len(encode_prompt(tgt.tokenizer, p)) for p in prompts]
+    convs = [Conversation(e.example_id, e.domain, (e.prompt,)) for e in exs]
+    turns = regenerate(tgt.model, tgt.tokenizer, convs, cfg.cache, 0, tgt.eos_token_ids)
+    ids, _, seqs, n_prompt = turn_rows(convs, turns)
     out = {}
     for codec in ("bf16", "fp8"):
         root = tmp_path_factory.mktemp(codec)
         fs = pafs.LocalFileSystem()
-        ids = [e.example_id for e in exs]
         stats = [publish_shard(fs, str(root), i, make_rows(tgt.model, LAYERS, codec, ids[3 * i:3 * i + 3],
                                                            ["code"] * 3, seqs[3 * i:3 * i + 3], n_prompt[3 * i:3 * i + 3]))
                  for i in range(2)]

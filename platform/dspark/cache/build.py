@@ -1,13 +1,14 @@
 """Building a target cache with Ray Data.
 
-The prompts are cut into shards of `cache.shard_rows` examples. A Ray Data `map_batches` over the
-shard list runs an actor pool (`ShardBuilder`, each holding the target, on CPU or `num_gpus`):
-per shard it regenerates the responses (batched HF generation with a KV cache and the configured
-sampling), runs one target forward per sequence capturing the tapped layers and the final-norm
-hidden state, and publishes the Parquet shard atomically. The driver streams the per-shard stats
-back, reports progress, and writes manifest.json last. Rerunning skips shards already published,
-after checking that each was built with this run's settings (its "built_with" record); one builder
-at a time holds the cache's lock (dspark.cache.lock).
+The conversations of `cache.sources` are cut into shards of `cache.shard_rows`. A Ray Data `map_batches`
+over the shard list runs an actor pool (`ShardBuilder`, each holding the target, on CPU or `num_gpus`):
+per shard it regenerates every assistant turn (prompts rendered with the target's chat template; batched
+HF generation with a KV cache and the configured sampling), runs one target forward per row (one row per
+assistant turn) capturing the tapped layers and the final-norm hidden state, and publishes the Parquet
+shard atomically. The driver streams the per-shard stats back, reports progress, and writes
+manifest.json last. Rerunning skips shards already published, after checking that each was built with
+this run's settings (its "built_with" record); one builder at a time holds the cache's lock
+(dspark.cache.lock).
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from dspark.cache.format import MANIFEST, PARQUET_OPTIONS, SCHEMA, Manifest, Sha
 from dspark.cache.lock import CacheLock
 from dspark.cache.read import decode_batch, read_manifest, read_shard
 from dspark.config import Config
-from dspark.corpus.tokenizer import encode_prompt
+from dspark.corpus.conversations import Conversation, cache_sources
+from dspark.corpus.tokenizer import chat_ids
 from dspark.errors import UserError
 from dspark.storage import Storage
 
@@ -66,21 +68,21 @@ class ShardBuilder:
 
     def __call__(self, batch: dict) -> dict:
         out: dict[str, list] = {k: [] for k in ("shard_id", "stats", "seconds")}
-        for shard_id, ids, domains, prompts in zip(batch["shard_id"], batch["seq_ids"], batch["domains"], batch["prompts"]):
+        for shard_id, convs in zip(batch["shard_id"], batch["conversations"]):
             t0 = time.perf_counter()
-            stats = self.build_shard(int(shard_id), list(ids), list(domains), list(prompts))
+            stats = self.build_shard(int(shard_id), [Conversation.from_json(c) for c in convs])
             out["shard_id"].append(int(shard_id))
             out["stats"].append(stats)
             out["seconds"].append(time.perf_counter() - t0)
         return out
 
-    def build_shard(self, shard_id: int, seq_ids: list[str], domains: list[str], prompts: list[str]) -> dict:
+    def build_shard(self, shard_id: int, convs: list[Conversation]) -> dict:
         cc = self.cfg.cache
-        seqs = regenerate(self.tgt.model, self.tok, prompts, cc, cc.seed * 100_003 + shard_id)
-        n_prompt = [len(encode_prompt(self.tok, p)) for p in prompts]
-        cols = make_rows(self.tgt.model, self.layers, cc.codec, seq_ids, domains, seqs, n_prompt)
+        turns = regenerate(self.tgt.model, self.tok, convs, cc, cc.seed * 100_003 + shard_id, self.tgt.eos_token_ids,
+                           self.cfg.target.chat_template_kwargs)
+        cols = make_rows(self.tgt.model, self.layers, cc.codec, *turn_rows(convs, turns))
         fs, root = self.storage.pyarrow_fs(self.cache_uri)
-        stats = publish_shard(fs, root, shard_id, cols, shard_record(self.settings, seq_ids))
+        stats = publish_shard(fs, root, shard_id, cols, shard_record(self.settings, [c.conv_id for c in convs]))
         return asdict(stats)
 
 
@@ -111,29 +113,67 @@ def publish_shard(fs: pafs.FileSystem, root: str, shard_id: int, cols: dict[str,
     return stats
 
 
-@torch.no_grad()
-def regenerate(model, tok, prompts: list[str], cc, seed: int) -> list[list[int]]:
-    """The target answers the prompts itself: batched, left-padded, KV-cached HF generation with the
-    configured sampling (`cc` is a CacheConfig). Returns prompt + response ids per prompt."""
-    device = next(model.parameters()).device
+def regenerate(model, tok, convs: list[Conversation], cc, seed: int, eos_ids: tuple[int, ...] = (),
+               chat_template_kwargs: dict | None = None, answer_last: bool = True) -> list[list[tuple[list[int], list[int]]]]:
+    """The target answers the conversations itself, the paper's protocol: user turn t is rendered with the
+    target's chat template after the target's own answers to turns 1..t-1, then answered; batched over the
+    conversations turn by turn. Per conversation and turn: (prompt ids, response ids ending at its first EOS);
+    with answer_last=False the last turn's prompt is rendered but not answered (its response is [])."""
     torch.manual_seed(seed)
-    responses: list[list[int]] = []
+    eos = tuple(eos_ids) or (tok.eos_token_id,)
+    answers: list[list[str]] = [[] for _ in convs]
+    out: list[list[tuple[list[int], list[int]]]] = [[] for _ in convs]
+    for t in range(max((len(c.turns) for c in convs), default=0)):
+        live = [i for i, c in enumerate(convs) if t < len(c.turns)]
+        prompts = [chat_ids(tok, convs[i].messages(answers[i]), True, chat_template_kwargs) for i in live]
+        ask = [k for k, i in enumerate(live) if answer_last or t < len(convs[i].turns) - 1]
+        responses = dict(zip(ask, generate(model, [prompts[k] for k in ask], cc, eos, tok.pad_token_id))) if ask else {}
+        for k, (i, p) in enumerate(zip(live, prompts)):
+            out[i].append((p, responses.get(k, [])))
+            answers[i].append(tok.decode(responses.get(k, []), skip_special_tokens=True))
+    return out
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], cc, eos: tuple[int, ...], pad: int) -> list[list[int]]:
+    """Responses to token-id prompts: batched, left-padded, KV-cached HF generation with the configured
+    sampling (`cc` is a CacheConfig), each cut after its first EOS."""
+    device = next(model.parameters()).device
     sampling = dict(do_sample=True, temperature=cc.temperature, top_p=cc.top_p, top_k=cc.top_k or None) \
         if cc.temperature > 0 else dict(do_sample=False)
+    responses: list[list[int]] = []
     for i in range(0, len(prompts), cc.batch_size):
-        enc = [encode_prompt(tok, p) for p in prompts[i:i + cc.batch_size]]
+        enc = prompts[i:i + cc.batch_size]
         width = max(len(e) for e in enc)
-        ids = torch.full((len(enc), width), tok.pad_token_id, dtype=torch.long)
+        ids = torch.full((len(enc), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for r, e in enumerate(enc):
             ids[r, width - len(e):] = torch.tensor(e)
             mask[r, width - len(e):] = 1
         gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=cc.max_new_tokens,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **sampling)
-        for row in gen[:, width:].tolist():
-            resp = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
-            responses.append([t for t in resp if t != tok.pad_token_id] or [tok.eos_token_id])
-    return [encode_prompt(tok, p) + r for p, r in zip(prompts, responses)]
+                             eos_token_id=list(eos), pad_token_id=pad, **sampling)
+        responses += [cut_response(row, eos) for row in gen[:, width:].tolist()]
+    return responses
+
+
+def cut_response(row: list[int], eos: tuple[int, ...]) -> list[int]:
+    """A generated row up to and including its first EOS. What follows is HF's padding of a finished row;
+    nothing before the cut is dropped, since the pad token may be an EOS itself (SmolLM2)."""
+    end = next((k for k, t in enumerate(row) if t in eos), len(row) - 1)
+    return row[:end + 1]
+
+
+def turn_rows(convs: list[Conversation], turns: list[list[tuple[list[int], list[int]]]]):
+    """make_rows' (seq_ids, domains, seqs, n_prompt): one row per assistant turn, its prompt the
+    conversation so far; the first turn's row is named by the conversation's id."""
+    seq_ids, domains, seqs, n_prompt = [], [], [], []
+    for c, ts in zip(convs, turns):
+        for t, (prompt, response) in enumerate(ts):
+            seq_ids.append(c.conv_id if t == 0 else f"{c.conv_id}/turn{t + 1}")
+            domains.append(c.source)
+            seqs.append(prompt + response)
+            n_prompt.append(len(prompt))
+    return seq_ids, domains, seqs, n_prompt
 
 
 def make_rows(model, layers: list[int], codec: str, seq_ids: list[str], domains: list[str],
@@ -214,10 +254,9 @@ def cache_uri(cfg: Config) -> str:
 
 
 def build_cache(cfg: Config, tracker=None, log_fn=print) -> Manifest:
-    """Build (or finish building) the cache of the built-in corpus's train split; returns the manifest."""
+    """Build (or finish building) the cache of `cache.sources` (the built-in corpus's train split and/or JSONL
+    conversations); returns the manifest."""
     from dspark import target as targets
-    from dspark.corpus.examples import split_examples
-    from dspark.corpus.sources import DOMAINS, Corpus
     from dspark.target.taps import resolve_layers
 
     cc = cfg.cache
@@ -229,16 +268,11 @@ def build_cache(cfg: Config, tracker=None, log_fn=print) -> Manifest:
     fs.create_dir(root, recursive=True)
     old = read_manifest(storage, uri)  # a damaged one fails here, before any work
 
-    tgt_path = targets.resolve(cfg.target.name_or_path)
+    tgt_path = targets.resolve(cfg.target.name_or_path, cfg.target.revision, cfg.target.cache_dir)
     tgt_cfg = targets.hf_config(tgt_path)  # sizes and layer ids are validated before any work
     layers = resolve_layers(tgt_cfg.num_hidden_layers, cc.layers, cc.num_layers)
-    corpus = Corpus.load(cfg.corpus)
-    examples = [ex for d in DOMAINS for ex in split_examples(corpus, d, "train", cfg.corpus)]
-    if cc.max_examples:
-        # a deterministic, domain-balanced subset: interleave the domains
-        by_dom = [[ex for ex in examples if ex.domain == d] for d in DOMAINS]
-        examples = [ex for group in zip(*by_dom) for ex in group][: cc.max_examples]
-    shards = [examples[i:i + cc.shard_rows] for i in range(0, len(examples), cc.shard_rows)]
+    convs, sources_sha256 = cache_sources(cfg, storage, log_fn)
+    shards = [convs[i:i + cc.shard_rows] for i in range(0, len(convs), cc.shard_rows)]
 
     manifest = Manifest(
         target={"name": cfg.target.name_or_path, "weights_sha256": targets.weights_hash(tgt_path),
@@ -246,8 +280,9 @@ def build_cache(cfg: Config, tracker=None, log_fn=print) -> Manifest:
         tokenizer_sha256=targets.tokenizer_hash(tgt_path),
         layers=layers, hidden_size=tgt_cfg.hidden_size, codec=cc.codec,
         generation={"temperature": cc.temperature, "top_p": cc.top_p, "top_k": cc.top_k,
-                    "max_new_tokens": cc.max_new_tokens, "seed": cc.seed},
-        corpus_sha256=corpus.manifest()["sha256"],
+                    "max_new_tokens": cc.max_new_tokens, "seed": cc.seed,
+                    **({"chat_template_kwargs": cfg.target.chat_template_kwargs} if cfg.target.chat_template_kwargs else {})},
+        corpus_sha256=sources_sha256,
     )
     settings = settings_of(manifest)
     if old is not None:
@@ -260,13 +295,13 @@ def build_cache(cfg: Config, tracker=None, log_fn=print) -> Manifest:
         raise UserError(f"cache {uri} already holds a different build ({MANIFEST}: {describe(diffs)}); "
                         f"choose another cache.name / cache.uri or delete it")
 
-    want = {i: shard_record(settings, [e.example_id for e in shard]) for i, shard in enumerate(shards)}
+    want = {i: shard_record(settings, [c.conv_id for c in shard]) for i, shard in enumerate(shards)}
     with CacheLock(storage, uri) as lock:
         done = published_stats(fs, root)
         check_resume(uri, done, want)
         stats = {i: st for i, (st, _) in done.items()}
         todo = [i for i in range(len(shards)) if i not in stats]
-        log_fn(f"[cache] {uri}: {len(examples)} prompts in {len(shards)} shards, {len(stats)} already published; "
+        log_fn(f"[cache] {uri}: {len(convs)} conversations in {len(shards)} shards, {len(stats)} already published; "
                f"layers {layers}, codec {cc.codec}")
         if todo:
             _build_shards(cfg, uri, storage, layers, settings, shards, todo, stats, tracker, log_fn)
@@ -288,8 +323,7 @@ def _build_shards(cfg: Config, uri: str, storage: Storage, layers: list[int], se
     from dspark.cluster import quiet_ray_data
 
     cc = cfg.cache
-    items = [{"shard_id": i, "seq_ids": [e.example_id for e in shards[i]], "domains": [e.domain for e in shards[i]],
-              "prompts": [e.prompt for e in shards[i]]} for i in todo]
+    items = [{"shard_id": i, "conversations": [c.to_json() for c in shards[i]]} for i in todo]
     quiet_ray_data()
     ds = ray.data.from_items(items, override_num_blocks=len(items))
     ds = ds.map_batches(ShardBuilder, batch_size=1, compute=ray.data.ActorPoolStrategy(size=cc.num_actors),

@@ -63,8 +63,9 @@ def _drafter_for(cfg: Config, manifest, device):
     from dspark.models.layers import FrozenTargetHead
 
     tc = cfg.train
-    embed, head = targets.head_weights(cfg.target.name_or_path, cfg.target.dtype)
-    hf = targets.hf_config(cfg.target.name_or_path)
+    # the drafter trains in float32 whatever the target's dtype (bf16 mixed precision is DeepSpeed's train.bf16)
+    embed, head = targets.head_weights(cfg.target.name_or_path, "float32", cfg.target.revision, cfg.target.cache_dir)
+    hf = targets.hf_config(cfg.target.name_or_path, cfg.target.revision, cfg.target.cache_dir)
     dc = DrafterConfig.from_target(hf, tc.drafter, manifest.layers, _mask_id(cfg), num_layers=tc.num_layers,
                                    gamma=tc.gamma, markov=tc.markov if tc.drafter == "dspark" else "none",
                                    markov_rank=tc.markov_rank, target=manifest.target)
@@ -72,9 +73,11 @@ def _drafter_for(cfg: Config, manifest, device):
 
 
 def _mask_id(cfg: Config) -> int:
+    """The parallel drafters' block filler as the target is configured (target.mask_token, else the
+    tokenizer's own or an unused special token); recorded in the drafter's config."""
     from dspark import target as targets
 
-    tok = targets.tokenizer_for(cfg.target.name_or_path)
+    tok = targets.tokenizer_from_config(cfg.target)
     if tok.mask_token_id is None:
         raise UserError(f"the tokenizer of target {cfg.target.name_or_path} has no mask token; parallel drafters need one")
     return tok.mask_token_id

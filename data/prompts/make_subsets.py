@@ -1,0 +1,34 @@
+"""Writes the committed prompt subsets from the paper's prompt sets (one {"turns": [...]} per line).
+
+    python data/prompts/make_subsets.py /path/to/eval_datasets
+
+Deterministic: every set is thinned by an even stride over the prompts whose turns are all at most
+MAX_CHARS characters (long SWE-bench / LiveCodeBench issues cost minutes each on a CPU target).
+Training sets and evaluation sets are disjoint by construction: different benchmarks.
+"""
+import json
+import sys
+from pathlib import Path
+
+MAX_CHARS = 2500
+EVAL = {"mt-bench": 16, "humaneval": 16, "mbpp": 16, "gsm8k": 16, "math500": 16}
+TRAIN = {"arena-hard-v2": 40, "livecodebench": 30, "lbpp": 30, "swe-bench": 20, "aime24": 10, "aime25": 10}
+
+
+def subset(src: Path, n: int) -> list[str]:
+    lines = [ln for ln in src.read_text().split("\n") if ln.strip()]  # not splitlines: U+2028 is inside strings
+    short = [ln for ln in lines if all(len(t) <= MAX_CHARS for t in json.loads(ln)["turns"])]
+    step = max(1, len(short) // n)
+    return short[::step][:n]
+
+
+def main(src_dir: str) -> None:
+    here = Path(__file__).resolve().parent
+    for split, sets in (("eval", EVAL), ("train", TRAIN)):
+        (here / split).mkdir(exist_ok=True)
+        for name, n in sets.items():
+            (here / split / f"{name}.jsonl").write_text("\n".join(subset(Path(src_dir) / f"{name}.jsonl", n)) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "../shared/reference/eval_datasets")
