@@ -10,7 +10,7 @@ One round, for every active request r with anchor x_0 (the last committed token)
 Without a drafter (or gamma = 0) the same loop is plain target decoding, one token per round.
 
 l_r is further capped by quantities that never depend on this round's drafts (lossless): the
-request's room in the context and in max_new_tokens, and the first draft position whose q is not a
+request's room in the context, and the first draft position whose q is not a
 finite distribution (a drafter that produced NaN: the drafts before it are still exact proposals,
 and admitting x_k never looks past q_k). A drafter that raises is skipped for a growing number of
 rounds (1, 2, 4, .. 64), then tried again; the round itself is plain target sampling.
@@ -171,11 +171,9 @@ class SpeculativeDecoder:
             req.state = None
 
     def _caps(self, reqs: list[Request]) -> list[int]:
-        """The most drafts each request can verify this round, from quantities fixed before drafting:
-        its room in the context (the anchor and l drafts are appended) and in max_new_tokens (a round
-        emits at most l + 1 tokens)."""
-        return [max(0, min(self.gamma, self.max_len - self.runner.lengths[r.slot] - 1,
-                           r.max_new_tokens - len(r.out) - 1)) for r in reqs]
+        """The most drafts each request can verify this round, from a quantity fixed before drafting:
+        its room in the context (the anchor and l drafts are appended to its KV slot)."""
+        return [max(0, min(self.gamma, self.max_len - self.runner.lengths[r.slot] - 1)) for r in reqs]
 
     def _propose(self, reqs: list[Request], anchors: torch.Tensor):
         """The drafter's proposal, or None when it is backing off after errors or raises now."""
