@@ -52,7 +52,8 @@ def clone(tmp_path):
 
 def user_shell_env(clone: Path) -> dict:
     """A user's shell with the venv activated: none of this session's service settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_", "MLFLOW_", "DSPARK_"))}
+    env = {k: v for k, v in os.environ.items()  # MAKE*: the suite may run under `make test`, a user's shell not
+           if not k.startswith(("RAY_", "AWS_", "MLFLOW_", "DSPARK_", "MAKE", "MFLAGS"))}
     env.update(PATH=f"{clone / '.venv/bin'}:{env['PATH']}", PYTHONPATH=f"{clone / 'platform'}:{clone}",
                OMP_NUM_THREADS="1")
     return env
