@@ -1,0 +1,116 @@
+"""What the target costs on this machine, with the decoding runner every drafter is measured against:
+load time (GGUF conversion and the converted copy), target-only decoding tokens/s at batch 1 and 16,
+and the cost of verifying k = 2, 4, 8 new tokens relative to one (batch 1, the paper's regime: when
+k tokens cost about one, speculation pays). Prints what it measured (medians), never asserts.
+
+    python bench/target_speed.py --config configs/smollm2.yaml [--dtypes float32,bfloat16] [--context 256]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dspark import evaluation
+from dspark import target as targets
+from dspark.config import add_config_args, config_from_args, run_main
+from dspark.corpus.conversations import load_jsonl, spread
+from dspark.corpus.sources import Corpus
+from dspark.corpus.tokenizer import chat_ids
+from dspark.decoding.runner import TargetRunner
+from dspark.decoding.sampling import SamplingParams
+from dspark.decoding.speculative import Request, SpeculativeDecoder
+from dspark.storage import Storage
+
+
+def load_times(cfg) -> None:
+    """A GGUF target: conversion into a fresh folder, then a load of the converted copy."""
+    name = cfg.target.name_or_path
+    if not (name.endswith(".gguf") or name.startswith("pkg://")):
+        return
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
+        path = targets.resolve(name, cache_dir=d)
+        t1 = time.perf_counter()
+        targets.load(path)
+        t2 = time.perf_counter()
+    print(f"load: GGUF -> safetensors conversion {t1 - t0:.1f} s; load of the converted copy {t2 - t1:.1f} s\n")
+
+
+def first_turns(cfg, tgt, n: int) -> list[list[int]]:
+    """The first user turn of each conversation of eval.prompt_sets, in the target's chat template
+    (the built-in corpus's held-out prompts when no set is named)."""
+    if not cfg.eval.prompt_sets:
+        corpus = Corpus.load(cfg.corpus)
+        return [q for d in ("code", "prose") for q in evaluation.prompts_for(cfg, corpus, d, "heldout", n, tgt.tokenizer)]
+    storage = Storage.from_config(cfg.storage)
+    convs = [c for uri in cfg.eval.prompt_sets.values() for c in load_jsonl(uri, storage).conversations]
+    return [chat_ids(tgt.tokenizer, c.messages([]), chat_template_kwargs=cfg.target.chat_template_kwargs)
+            for c in spread(convs, n)]
+
+
+def decode_tps(model, prompts: list[list[int]], batch: int, max_new: int, eos) -> float:
+    """Target-only greedy decoding of `batch` requests at once (continuous batching, no drafter):
+    generated tokens per second of wall time, prefill included."""
+    dec = SpeculativeDecoder(model, None, gamma=0, max_slots=batch)
+    reqs = [Request(p, SamplingParams(0.0), max_new, i, ()) for i, p in enumerate(prompts[:batch])]
+    t0 = time.perf_counter()
+    dec.run(reqs)
+    dt = time.perf_counter() - t0
+    return sum(len(r.out) for r in reqs) / dt
+
+
+def verify_cost(model, context: list[int], ks: list[int], repeats: int) -> dict[int, float]:
+    """Median seconds of one runner forward of k new tokens after `context` tokens (batch 1)."""
+    runner = TargetRunner(model, [], max_slots=1, capacity=len(context) + max(ks) + 1)
+    slot = runner.alloc()
+    runner.forward([slot], [torch.tensor(context)])
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for _ in range(repeats):
+        for k in ks:  # interleaved, so drift in machine speed touches every k alike
+            t0 = time.perf_counter()
+            runner.forward([slot], [torch.tensor(context[:k])])
+            times[k].append(time.perf_counter() - t0)
+            runner.truncate(slot, len(context))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(argv=None):
+    p = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--max-new", type=int, default=64, help="tokens generated per request")
+    p.add_argument("--context", type=int, default=256, help="context length for the verify-cost forwards")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--skip-load", action="store_true", help="do not time the GGUF conversion")
+    args = p.parse_args(argv)
+    cfg = config_from_args(args)
+    if not args.skip_load:
+        load_times(cfg)
+    batches = [int(b) for b in args.batches.split(",")]
+    ks = [1, 2, 4, 8]
+    print(f"torch threads {torch.get_num_threads()}; {args.max_new} new tokens per request; "
+          f"verify cost at a {args.context}-token context, median of {args.repeats}\n")
+    print("| dtype | " + " | ".join(f"tok/s batch {b}" for b in batches) + " | "
+          + " | ".join(f"verify {k} / verify 1" for k in ks[1:]) + " | verify 1 ms |")
+    print("|---" * (len(batches) + len(ks) + 1) + "|")
+    for dtype in args.dtypes.split(","):
+        cfg.target.dtype = dtype
+        tgt = targets.load_from_config(cfg.target)
+        prompts = first_turns(cfg, tgt, max(batches))
+        prompts = (prompts * (max(batches) // len(prompts) + 1))[:max(batches)]
+        decode_tps(tgt.model, prompts, 1, 4, ())  # warm-up
+        tps = [decode_tps(tgt.model, prompts, b, args.max_new, ()) for b in batches]
+        context = (sum(prompts, []) * (args.context // 8 + 1))[:args.context]
+        cost = verify_cost(tgt.model, context, ks, args.repeats)
+        print(f"| {dtype} | " + " | ".join(f"{x:.1f}" for x in tps) + " | "
+              + " | ".join(f"{cost[k] / cost[1]:.2f}" for k in ks[1:]) + f" | {1000 * cost[1]:.1f} |", flush=True)
+        del tgt
+
+
+if __name__ == "__main__":
+    run_main(main)
