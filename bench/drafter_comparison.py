@@ -96,7 +96,6 @@ def main():
     from dspark import evaluation
     from dspark import target as targets
     from dspark.cache.read import open_cache
-    from dspark.calibration import sts
     from dspark.config import load_config
     from dspark.corpus.sources import Corpus
     from dspark.models import load_drafter
@@ -129,8 +128,8 @@ def main():
     for gamma, ds in sorted(groups.items()):
         ecfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"gamma": gamma})})
         res = evaluation.evaluate(ecfg, tgt, ds, corpus, out / f"gamma{gamma}")
-        for name, cal in res["calibrations"].items():  # served and simulated with these
-            sts.save(out / name / "calibration.json", cal, {"fitted_on": "validation split, T=1", "gamma": gamma})
+        # served and simulated with these
+        evaluation.save_calibrations(res, {name: out / name for name in res["calibrations"]}, {"gamma": gamma})
         summary["evals"][gamma] = [r.__dict__ for r in res["results"]]
         print((out / f"gamma{gamma}" / "results.md").read_text())
     if args.gammas:

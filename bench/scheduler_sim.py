@@ -41,7 +41,7 @@ def record(drafter_path: str, prompts_per_domain: int, max_new: int, gamma: int)
     cfg = load_config()
     tgt = targets.load("builtin")
     drafter = load_drafter(drafter_path, tgt.model, tgt.weights_sha256)
-    cal = sts.load(Path(drafter_path) / "calibration.json")
+    cal = sts.load(drafter_path)
     corpus = Corpus.load(cfg.corpus)
     out = {}
     for dom in ("code", "prose"):

@@ -11,7 +11,6 @@ import argparse
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 

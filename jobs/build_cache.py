@@ -21,7 +21,8 @@ def main(argv=None):
     args = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv)
     cfg = config_from_args(args)
     from dspark import tracking
-    from dspark.cache.build import build_cache, cache_uri, transcode
+    from dspark.artifacts import cache_uri
+    from dspark.cache.build import build_cache, transcode
     from dspark.cache.read import open_cache
     from dspark.cluster import init_ray
     from dspark.storage import Storage

@@ -43,15 +43,14 @@ def main(argv=None):
         local = storage.download_dir(path, Path(cfg.eval.out_dir) / "drafters" / name)
         drafters[name] = load_drafter(local, tgt.model, tgt.weights_sha256)
         paths[name] = local
-        if sts.load(local / "calibration.json"):
-            print(f"[eval] {name}: has a calibration.json; refitting it on validation prompts")
+        if sts.load(local):
+            print(f"[eval] {name}: has a {sts.FILE}; refitting it on validation prompts")
     out = Path(cfg.eval.out_dir)
     with tracking.run(cfg, "evaluate") as tracker:
         tracker.params({**{k: v for k, v in cfg.flat().items() if k.startswith(("eval.", "target."))},
                         **{f"drafter.{k}": v for k, v in paths.items()}})
         res = evaluation.evaluate(cfg, tgt, drafters, Corpus.load(cfg.corpus), out, calibrate=not args.no_calibrate)
-        for name, cal in res["calibrations"].items():
-            sts.save(paths[name] / "calibration.json", cal, {"fitted_on": "validation split, T=1"})
+        evaluation.save_calibrations(res, paths)
         evaluation.log_results(tracker, res, out)
     sys.stdout.write((out / "results.md").read_text())
     print(f"[eval] results in {out} (results.json, results.md, conditional acceptance, reliability and threshold-sweep PNGs)")

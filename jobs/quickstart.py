@@ -21,6 +21,7 @@ import time
 
 import _bootstrap  # noqa: F401
 
+from dspark.artifacts import cache_uri, drafter_uri
 from dspark.config import Config, add_config_args, config_from_args, run_main
 
 
@@ -59,7 +60,7 @@ def stage_target(cfg: Config, storage, tracker) -> dict:
 
 
 def stage_cache(cfg: Config, storage, tracker) -> dict:
-    from dspark.cache.build import build_cache, cache_uri
+    from dspark.cache.build import build_cache
     from dspark.cache.format import estimate_bytes
     from dspark.cluster import init_ray
 
@@ -91,7 +92,6 @@ def stage_eval(cfg: Config, storage, tracker) -> dict:
 
     from dspark import evaluation
     from dspark import target as targets
-    from dspark.calibration import sts
     from dspark.corpus.sources import Corpus
     from dspark.models import load_drafter
 
@@ -103,7 +103,7 @@ def stage_eval(cfg: Config, storage, tracker) -> dict:
         out = Path(cfg.eval.out_dir) / "quickstart"
         ev = evaluation.evaluate(cfg, tgt, {"dspark": drafter}, Corpus.load(cfg.corpus), out)
         if ev["calibrations"]:
-            sts.save(local / "calibration.json", ev["calibrations"]["dspark"], {"fitted_on": "validation split, T=1"})
+            evaluation.save_calibrations(ev, {"dspark": local})
             storage.upload_dir(local, uri)
     evaluation.log_results(tracker, ev, out, prefix="eval.", artifact_path="eval")
     print((out / "results.md").read_text().rstrip())
@@ -130,12 +130,6 @@ def stage_serve(cfg: Config, storage, tracker) -> dict:
           f"(mean tau {s['mean_tau']:.2f}, mean verification length {s['mean_verify_len']:.2f})")
     serve.shutdown()
     return {"url": url, "text": r.choices[0].text, "speculative": s}
-
-
-def drafter_uri(cfg: Config) -> str:
-    from dspark.storage import Storage
-
-    return cfg.train.out_uri or Storage.join(cfg.storage.root, "drafters", cfg.train.run_name)
 
 
 STAGES = {"target": stage_target, "cache": stage_cache, "train": stage_train, "eval": stage_eval, "serve": stage_serve}

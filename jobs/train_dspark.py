@@ -24,7 +24,8 @@ from dspark.config import add_config_args, config_from_args, run_main
 def main(argv=None):
     args = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv)
     cfg = config_from_args(args)
-    from dspark.cache.build import build_cache, cache_uri
+    from dspark.artifacts import cache_uri
+    from dspark.cache.build import build_cache
     from dspark.cache.read import open_cache
     from dspark.cluster import init_ray
     from dspark.storage import Storage
@@ -62,7 +63,6 @@ def evaluate_into_run(cfg, storage, res) -> None:
     """Offline evaluation of the exported drafter; summary, table and plots into the training run."""
     from dspark import evaluation, tracking
     from dspark import target as targets
-    from dspark.calibration import sts
     from dspark.corpus.sources import Corpus
     from dspark.models import load_drafter
 
@@ -72,8 +72,8 @@ def evaluate_into_run(cfg, storage, res) -> None:
         drafter = load_drafter(local, tgt.model, tgt.weights_sha256)
         out = Path(cfg.eval.out_dir) / res["name"]
         ev = evaluation.evaluate(cfg, tgt, {cfg.train.drafter: drafter}, Corpus.load(cfg.corpus), out)
-        for cal in ev["calibrations"].values():  # calibration travels with the drafter
-            sts.save(local / "calibration.json", cal, {"fitted_on": "validation split, T=1"})
+        if ev["calibrations"]:  # the calibration travels with the drafter
+            evaluation.save_calibrations(ev, {cfg.train.drafter: local})
             storage.upload_dir(local, res["out_uri"])
     with tracking.run(cfg, res["name"], run_id=res["run_id"]) as t:
         evaluation.log_results(t, ev, out, prefix="eval.", artifact_path="eval")

@@ -133,7 +133,7 @@ class SpeculativeEngine:
 
             local = Storage.from_config(cfg.storage).download_dir(sc.drafter_uri, tempfile.mkdtemp(prefix="drafter-"))
             drafter = load_drafter(local, tgt.model, tgt.weights_sha256)
-            start = sts.load(local / "calibration.json")
+            start = sts.load(local)
         t0 = time.perf_counter()
         sps = SPSTable.load(sc.sps_table) if sc.sps_table else profile(tgt.model, sc.sps_batches, repeats=3)
         log.info("SPS table ready in %.1fs: %s", time.perf_counter() - t0, sps.sps)
@@ -435,7 +435,7 @@ def _drafter_calibration(cfg):
 
     local = Storage.from_config(cfg.storage).download_dir(cfg.serve.drafter_uri, tempfile.mkdtemp(prefix="drafter-"))
     gamma = cfg.serve.gamma or DrafterConfig.load(local / "config.json").gamma
-    start = sts.load(local / "calibration.json")
+    start = sts.load(local)
     return gamma, start.check(gamma) if start else None
 
 

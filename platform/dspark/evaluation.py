@@ -289,6 +289,12 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
     return {"results": results, "calibrations": shipped, "calibration": cal_by}
 
 
+def save_calibrations(res: dict, folders: dict[str, Path], extra: dict | None = None) -> None:
+    """Each STS calibration `evaluate` fitted, into its drafter's folder (`folders`: name -> local folder)."""
+    for name, cal in res["calibrations"].items():
+        sts.save(folders[name], cal, {"fitted_on": "validation split, T=1", **(extra or {})})
+
+
 def log_results(tracker, res: dict, out_dir: Path, prefix: str = "", artifact_path: str | None = None) -> None:
     """MLflow: tau and speedup per drafter/domain/T, calibration (ECE raw/STS, AUROC) per position,
     and every JSON/markdown/PNG the evaluation wrote."""

@@ -56,10 +56,10 @@ def test_offsets_undo_a_level_shift_that_temperatures_cannot(tmp_path):
     temps_only, both = sts.report(held, sts.fit(obs, bias=False)), sts.report(held, sts.fit(obs))
     assert max(r["ece"] for r in both) < 0.015 < 0.03 < max(r["ece"] for r in temps_only)
     assert np.allclose(sts.fit(obs).biases[:3], (-1.0, -0.7, 0.5), atol=0.2)
-    path = tmp_path / "calibration.json"  # round trip; a file without offsets is plain STS
+    path = tmp_path  # round trip; a file without offsets is plain STS
     sts.save(path, sts.fit(obs), {"note": "x"})
     assert sts.load(path) == sts.fit(obs)
-    path.write_text('{"temperatures": [1.5, 2.0]}')
+    (path / sts.FILE).write_text('{"temperatures": [1.5, 2.0]}')
     assert sts.load(path) == sts.Calibration([1.5, 2.0], [0.0, 0.0])
 
 

@@ -24,6 +24,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
+from dspark.artifacts import cache_uri
 from dspark.cache import codec as codecs
 from dspark.cache.format import MANIFEST, PARQUET_OPTIONS, SCHEMA, Manifest, ShardStats, sha256_of, shard_name
 from dspark.cache.lock import CacheLock
@@ -247,10 +248,6 @@ def check_resume(uri: str, done: dict[int, tuple[ShardStats, dict | None]], want
             if "examples_sha256" in diffs else ""
         raise UserError(f"cache {uri} holds shards built with other settings{hint}: {describe(list(diffs.values()))}; "
                         f"rerun with the settings it was started with, or choose another cache.name / cache.uri")
-
-
-def cache_uri(cfg: Config) -> str:
-    return cfg.cache.uri or Storage.join(cfg.storage.root, "caches", cfg.cache.name)
 
 
 def build_cache(cfg: Config, tracker=None, log_fn=print) -> Manifest:

@@ -170,11 +170,15 @@ def threshold_sweep(obs: Observations, cal: Calibration, thresholds=tuple(np.rou
     return rows
 
 
-def save(path: str | Path, cal: Calibration, extra: dict | None = None) -> None:
-    Path(path).write_text(json.dumps({**cal.to_dict(), **(extra or {})}, indent=2) + "\n")
+FILE = "calibration.json"  # in the drafter's folder, next to its config and weights: served with it
 
 
-def load(path: str | Path) -> Calibration | None:
-    """calibration.json next to a drafter (files without biases are plain STS); None when absent."""
-    p = Path(path)
+def save(drafter_dir: str | Path, cal: Calibration, extra: dict | None = None) -> None:
+    """Write `cal` (and `extra`, e.g. what it was fitted on) into the drafter's folder."""
+    (Path(drafter_dir) / FILE).write_text(json.dumps({**cal.to_dict(), **(extra or {})}, indent=2) + "\n")
+
+
+def load(drafter_dir: str | Path) -> Calibration | None:
+    """The calibration in a drafter's folder (files without biases are plain STS); None when absent."""
+    p = Path(drafter_dir) / FILE
     return Calibration.from_dict(json.loads(p.read_text())) if p.is_file() else None

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from dspark import artifacts
 from dspark.config import Config
 from dspark.errors import UserError
 
@@ -298,10 +299,6 @@ def total_steps(cfg: Config, rows: int) -> int:
     return tc.max_steps or per_epoch * tc.epochs
 
 
-def run_name(cfg: Config) -> str:
-    return cfg.train.run_name or f"{cfg.train.drafter}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
 def fit(cfg: Config, log=print, in_memory: bool = False) -> dict:
     """Driver side: resolve the cache, create/resume the MLflow run, run the TorchTrainer.
     in_memory materialises the dataset first (a baseline for the data-wait fraction of streaming)."""
@@ -309,19 +306,17 @@ def fit(cfg: Config, log=print, in_memory: bool = False) -> dict:
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from dspark.cache.build import cache_uri
     from dspark.cache.read import check_shards, dataset, open_cache
     from dspark.cluster import quiet_ray_data
     from dspark.storage import Storage
 
     tc = cfg.train
     storage = Storage.from_config(cfg.storage)
-    cache = open_cache(cache_uri(cfg), storage)
+    cache = open_cache(artifacts.cache_uri(cfg), storage)
     shards = check_shards(cache, skip_bad=cfg.cache.skip_bad_shards)
     rows = sum(s.rows for s in shards)
-    name = run_name(cfg)
-    runs_uri = Storage.join(cfg.storage.root, "runs")
-    out_uri = tc.out_uri or Storage.join(cfg.storage.root, "drafters", name)
+    name = artifacts.run_name(cfg)
+    runs_uri, out_uri = artifacts.runs_uri(cfg), artifacts.drafter_uri(cfg, name)
     steps = total_steps(cfg, rows)
     quiet_ray_data()
     ctx = ray.data.DataContext.get_current()
