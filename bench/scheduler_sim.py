@@ -98,7 +98,7 @@ def main():
         measured = SPSTable.load(args.sps)
     else:
         from dspark import target as targets
-        from dspark.scheduling.sps import profile
+        from dspark.decoding.profile import profile
 
         measured = profile(targets.load("builtin").model, [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], repeats=5)
         measured.save(out / "sps_measured.json")

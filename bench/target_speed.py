@@ -8,19 +8,17 @@ k tokens cost about one, speculation pays). Prints what it measured (medians), n
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 
 import torch
-
 from dspark import evaluation
 from dspark import target as targets
 from dspark.config import add_config_args, config_from_args, run_main
 from dspark.corpus.conversations import load_jsonl, spread
 from dspark.corpus.sources import Corpus
 from dspark.corpus.tokenizer import chat_ids
-from dspark.decoding.runner import TargetRunner
+from dspark.decoding.profile import profile
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.storage import Storage
@@ -63,21 +61,6 @@ def decode_tps(model, prompts: list[list[int]], batch: int, max_new: int, eos) -
     return sum(len(r.out) for r in reqs) / dt
 
 
-def verify_cost(model, context: list[int], ks: list[int], repeats: int) -> dict[int, float]:
-    """Median seconds of one runner forward of k new tokens after `context` tokens (batch 1)."""
-    runner = TargetRunner(model, [], max_slots=1, capacity=len(context) + max(ks) + 1)
-    slot = runner.alloc()
-    runner.forward([slot], [torch.tensor(context)])
-    times: dict[int, list[float]] = {k: [] for k in ks}
-    for _ in range(repeats):
-        for k in ks:  # interleaved, so drift in machine speed touches every k alike
-            t0 = time.perf_counter()
-            runner.forward([slot], [torch.tensor(context[:k])])
-            times[k].append(time.perf_counter() - t0)
-            runner.truncate(slot, len(context))
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def main(argv=None):
     p = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--dtypes", default="float32,bfloat16")
@@ -104,8 +87,8 @@ def main(argv=None):
         prompts = (prompts * (max(batches) // len(prompts) + 1))[:max(batches)]
         decode_tps(tgt.model, prompts, 1, 4, ())  # warm-up
         tps = [decode_tps(tgt.model, prompts, b, args.max_new, ()) for b in batches]
-        context = (sum(prompts, []) * (args.context // 8 + 1))[:args.context]
-        cost = verify_cost(tgt.model, context, ks, args.repeats)
+        sps = profile(tgt.model, ks, context=args.context, repeats=args.repeats, max_requests=1)  # batch 1
+        cost = {k: 1 / sps(k) for k in ks}  # seconds per forward of k new tokens
         print(f"| {dtype} | " + " | ".join(f"{x:.1f}" for x in tps) + " | "
               + " | ".join(f"{cost[k] / cost[1]:.2f}" for k in ks[1:]) + f" | {1000 * cost[1]:.1f} |", flush=True)
         del tgt

@@ -24,7 +24,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     from dspark import target as targets
-    from dspark.scheduling.sps import profile
+    from dspark.decoding.profile import profile
 
     tgt = targets.load_from_config(cfg.target)
     table = profile(tgt.model, [int(b) for b in args.batches.split(",")], context=args.context, repeats=args.repeats)

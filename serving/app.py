@@ -119,7 +119,8 @@ class SpeculativeEngine:
         from dspark.calibration import sts
         from dspark.decoding.engine import Engine
         from dspark.models import load_drafter
-        from dspark.scheduling.sps import SPSTable, profile
+        from dspark.decoding.profile import profile
+        from dspark.scheduling.sps import SPSTable
         from dspark.storage import Storage
 
         cfg = _cfg(cfg_json)

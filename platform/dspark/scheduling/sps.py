@@ -5,8 +5,6 @@ a table; a table measured elsewhere (production hardware) can be loaded from JSO
 from __future__ import annotations
 
 import json
-import platform
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,7 +36,7 @@ class SPSTable:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "SPSTable":
+    def load(cls, path: str | Path) -> SPSTable:
         p = Path(path)
         if not p.is_file():
             raise UserError(f"SPS table not found: {p}")
@@ -48,7 +46,7 @@ class SPSTable:
             raise UserError(f"SPS table {p} is not valid: {e}") from None
 
     @classmethod
-    def synthetic(cls, kind: str = "smooth", max_batch: int = 2048) -> "SPSTable":
+    def synthetic(cls, kind: str = "smooth", max_batch: int = 2048) -> SPSTable:
         """Shapes for simulation: 'smooth' (flat, then bandwidth-bound decay) or 'cliff' (a step at 64)."""
         b = np.arange(1, max_batch + 1)
         if kind == "smooth":
@@ -58,46 +56,3 @@ class SPSTable:
         else:
             raise UserError(f"unknown synthetic SPS table {kind!r} (smooth, cliff)")
         return cls(b.tolist(), s.tolist(), {"synthetic": kind})
-
-
-def hardware_info(device) -> dict:
-    import torch
-
-    info = {"device": str(device), "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
-    if str(device).startswith("cuda"):
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
-def profile(target_model, batches: list[int], context: int = 256, repeats: int = 5, warmup: int = 2,
-            max_requests: int = 64) -> SPSTable:
-    """Measure verification steps/s for total batch B tokens, spread over min(B, max_requests) requests
-    that each already hold `context` tokens of KV cache (the median of `repeats` timed steps)."""
-    import torch
-
-    from dspark.decoding.runner import TargetRunner
-
-    vocab = target_model.config.vocab_size
-    out = []
-    for B in batches:
-        R = min(B, max_requests)
-        per = [B // R + (1 if r < B % R else 0) for r in range(R)]
-        runner = TargetRunner(target_model, [], max_slots=R, capacity=context + max(per) + 1)
-        slots = [runner.alloc() for _ in range(R)]
-        runner.forward(slots, [torch.randint(0, vocab, (context,)) for _ in slots])
-        times = []
-        for i in range(warmup + repeats):
-            toks = [torch.randint(0, vocab, (n,)) for n in per]
-            if str(runner.device).startswith("cuda"):
-                torch.cuda.synchronize(runner.device)
-            t0 = time.perf_counter()
-            runner.forward(slots, toks)
-            if str(runner.device).startswith("cuda"):
-                torch.cuda.synchronize(runner.device)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-            for s in slots:
-                runner.truncate(s, context)
-        out.append(1.0 / float(np.median(times)))
-    return SPSTable(list(batches), out, hardware_info(next(target_model.parameters()).device))
