@@ -69,7 +69,7 @@ def main():
         chunk = stream[i:i + args.batch]
         for name, (cal, dec) in engines.items():
             out = dec.run([Request(p, SamplingParams(1.0), args.max_new, i + j, (eos,)) for j, (_, p) in enumerate(chunk)])
-            rounds = [(r.conf_logit, r.verified, r.accepted, r.survival) for q in out for r in q.rounds]
+            rounds = [r for q in out for r in q.rounds if r.conf_logit is not None]
             if cal.add(rounds):
                 dec.calibration = cal.cal  # what the engine replica does when the actor publishes
             curves[name].append({"requests": i + len(chunk), "domain": chunk[-1][0], "live_error": cal.live_error(),

@@ -4,6 +4,7 @@ import numpy as np
 
 from dspark.calibration import sts
 from dspark.calibration.online import OnlineCalibrator
+from dspark.decoding.speculative import RoundRecord
 
 
 def rounds(n, true_t, rng, gamma=4, verify=None, true_b=0.0):
@@ -16,7 +17,7 @@ def rounds(n, true_t, rng, gamma=4, verify=None, true_b=0.0):
 
 def feed(cal, logits, ell, acc, in_force):
     pred = sts.survival(logits, in_force)
-    return cal.add([(list(l), int(v), int(a), list(p)) for l, v, a, p in zip(logits, ell, acc, pred)])
+    return cal.add([RoundRecord(int(v), int(a), list(l), list(p)) for l, v, a, p in zip(logits, ell, acc, pred)])
 
 
 def test_follows_a_shift_with_clamped_updates():

@@ -12,10 +12,19 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol
 
 import numpy as np
 
 from dspark.calibration import sts
+
+
+class Round(Protocol):
+    """One decoding round as the engine records it (dspark.decoding.speculative.RoundRecord)."""
+    verified: int  # l: drafts verified
+    accepted: int  # n: drafts accepted
+    conf_logit: list[float]  # the confidence head's raw logits per draft position
+    survival: list[float]  # the calibrated prefix survival the scheduler used
 
 
 class OnlineCalibrator:
@@ -36,23 +45,22 @@ class OnlineCalibrator:
         self.total = 0
         self.recent = deque(maxlen=window)  # (predicted survival with the temps in force, verified, accepted)
 
-    def add(self, rounds: list[tuple[list[float], int, int, list[float]]]) -> bool:
-        """rounds: (confidence logits, verified l, accepted n, predicted survival used for scheduling).
-        Returns True when the calibration was refitted."""
+    def add(self, rounds: list[Round]) -> bool:
+        """Rounds with confidence logits (drafted rounds). Returns True when the calibration was refitted."""
         if not rounds:
             return False
         n = len(rounds)
         self.weights = self.weights * 0.5 ** (n / self.half_life)
-        self.logits = np.vstack([self.logits, np.array([r[0][: self.gamma] for r in rounds], float)])
-        self.verified = np.concatenate([self.verified, [r[1] for r in rounds]])
-        self.accepted = np.concatenate([self.accepted, [r[2] for r in rounds]])
+        self.logits = np.vstack([self.logits, np.array([r.conf_logit[: self.gamma] for r in rounds], float)])
+        self.verified = np.concatenate([self.verified, [r.verified for r in rounds]])
+        self.accepted = np.concatenate([self.accepted, [r.accepted for r in rounds]])
         self.weights = np.concatenate([self.weights, np.ones(n)])
         keep = self.weights > 1e-3
         keep[: max(0, len(keep) - self.max_rounds)] = False
         self.logits, self.verified, self.accepted, self.weights = (
             self.logits[keep], self.verified[keep], self.accepted[keep], self.weights[keep])
         for r in rounds:
-            self.recent.append((list(r[3][: self.gamma]), r[1], r[2]))
+            self.recent.append((list(r.survival[: self.gamma]), r.verified, r.accepted))
         self.total += n
         self.since_refit += n
         if self.since_refit >= self.refit_every and len(self.weights) >= self.min_rounds:

@@ -229,6 +229,6 @@ class Engine:
         if self.metrics:
             self.metrics.round(rounds, len(batch), len(self.waiting), seconds)
         if self.observer:
-            obs = [(x.conf_logit, x.verified, x.accepted, x.survival) for x in rounds if x.conf_logit is not None]
+            obs = [x for x in rounds if x.conf_logit is not None]  # drafted rounds
             if obs:
                 self.observer(obs)
