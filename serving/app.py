@@ -132,9 +132,10 @@ class SpeculativeEngine:
         if sc.drafter_uri:
             import tempfile
 
-            local = Storage.from_config(cfg.storage).download_dir(sc.drafter_uri, tempfile.mkdtemp(prefix="drafter-"))
-            drafter = load_drafter(local, tgt.model, tgt.weights_sha256)
-            start = sts.load(local)
+            with tempfile.TemporaryDirectory(prefix="drafter-") as d:  # weights are in memory once loaded
+                local = Storage.from_config(cfg.storage).download_dir(sc.drafter_uri, d)
+                drafter = load_drafter(local, tgt.model, tgt.weights_sha256)
+                start = sts.load(local)
         t0 = time.perf_counter()
         sps = SPSTable.load(sc.sps_table) if sc.sps_table else profile(tgt.model, sc.sps_batches, repeats=3)
         log.info("SPS table ready in %.1fs: %s", time.perf_counter() - t0, sps.sps)
@@ -143,10 +144,11 @@ class SpeculativeEngine:
         self.metrics = EngineMetrics(self.gamma)
         self.pending: list = []
         self.plock = threading.Lock()
-        self.engine = Engine(tgt.model, tgt.tokenizer, drafter, self.gamma, sc.policy, sps, sc.max_batch, sc.max_queue,
-                             sc.static_len, sc.threshold, start, observer=self._observe if self.calibration else None,
-                             metrics=self.metrics, idle_probe=sc.idle_probe_rounds, max_len=sc.max_len,
-                             stop_ids=tgt.eos_token_ids)
+        self.engine = Engine(tgt.model, tgt.tokenizer, drafter, gamma=self.gamma, policy=sc.policy, sps=sps,
+                             max_batch=sc.max_batch, max_queue=sc.max_queue, static_len=sc.static_len,
+                             threshold=sc.threshold, calibration=start, metrics=self.metrics,
+                             observer=self._observe if self.calibration else None, idle_probe=sc.idle_probe_rounds,
+                             max_len=sc.max_len, stop_ids=tgt.eos_token_ids)
         self.chat_template_kwargs = cfg.target.chat_template_kwargs
         self.sps, self.tokenizer, self.model_name = sps, tgt.tokenizer, sc.model_name
         self.cal_version = -1
@@ -431,12 +433,16 @@ def _drafter_calibration(cfg):
     import tempfile
 
     from dspark.calibration import sts
-    from dspark.models import DrafterConfig
+    from dspark.errors import UserError
+    from dspark.models import CONFIG_FILE, DrafterConfig
     from dspark.storage import Storage
 
-    local = Storage.from_config(cfg.storage).download_dir(cfg.serve.drafter_uri, tempfile.mkdtemp(prefix="drafter-"))
-    gamma = cfg.serve.gamma or DrafterConfig.load(local / "config.json").gamma
-    start = sts.load(local)
+    with tempfile.TemporaryDirectory(prefix="drafter-") as d:  # the two small files, not the weights
+        local = Storage.from_config(cfg.storage).download_dir(cfg.serve.drafter_uri, d, only=(CONFIG_FILE, sts.FILE))
+        if not (local / CONFIG_FILE).is_file():
+            raise UserError(f"serve.drafter_uri: no drafter at {cfg.serve.drafter_uri} (no {CONFIG_FILE})")
+        gamma = cfg.serve.gamma or DrafterConfig.load(local / CONFIG_FILE).gamma
+        start = sts.load(local)
     return gamma, start.check(gamma) if start else None
 
 

@@ -110,8 +110,9 @@ class Storage:
             if f.is_file():
                 fs.put_file(str(f), f"{path}/{f.name}")
 
-    def download_dir(self, uri: str, dest: str | Path) -> Path:
-        """A local folder holding uri's files: the folder itself when uri is local."""
+    def download_dir(self, uri: str, dest: str | Path, only: tuple[str, ...] = ()) -> Path:
+        """A local folder holding uri's files (`only`: just these names, where present): the folder
+        itself when uri is local."""
         if not self.is_remote(uri):
             if not Path(self.path_of(uri)).is_dir():
                 raise UserError(f"folder not found: {uri}")
@@ -119,8 +120,9 @@ class Storage:
         fs, path = self.fsspec_fs(uri)
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
-        files = [f for f in fs.ls(path, detail=True) if f["type"] == "file"]
-        if not files:
+        files = [f for f in fs.ls(path, detail=True) if f["type"] == "file"
+                 and (not only or f["name"].rsplit("/", 1)[-1] in only)]
+        if not files and not only:
             raise UserError(f"nothing found at {uri}")
         for f in files:
             fs.get_file(f["name"], str(dest / f["name"].rsplit("/", 1)[-1]))

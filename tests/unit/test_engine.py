@@ -40,7 +40,7 @@ def ids_of(tgt, prompt):
 @pytest.mark.parametrize("policy", ["greedy", "async", "static", "threshold", "none"])
 def test_concurrent_requests_get_exact_greedy_outputs(tgt, drafter, policy):
     prompts = [f"def g{i}(a):\n" for i in range(7)]
-    eng = Engine(tgt.model, tgt.tokenizer, drafter, 4, policy, SPSTable.synthetic("smooth"), max_batch=3, max_queue=16,
+    eng = Engine(tgt.model, tgt.tokenizer, drafter, gamma=4, policy=policy, sps=SPSTable.synthetic("smooth"), max_batch=3, max_queue=16,
                  idle_probe=2)  # rounds that verify nothing make the next two skip the drafter
     try:
         streams = [eng.submit(ids_of(tgt, p), SamplingParams(0.0), 16, 0) for p in prompts]  # 7 requests, 3 slots
@@ -57,7 +57,7 @@ def test_concurrent_requests_get_exact_greedy_outputs(tgt, drafter, policy):
 
 
 def test_queue_bound_cancel_and_stop(tgt, drafter):
-    eng = Engine(tgt.model, tgt.tokenizer, drafter, 4, "greedy", SPSTable.synthetic("smooth"), max_batch=1, max_queue=2)
+    eng = Engine(tgt.model, tgt.tokenizer, drafter, gamma=4, policy="greedy", sps=SPSTable.synthetic("smooth"), max_batch=1, max_queue=2)
     try:
         with pytest.raises(ValueError, match="context limit"):
             eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 10_000, 0)
@@ -87,7 +87,7 @@ def drain(stream, timeout=120):
 
 
 def test_cancelling_a_queued_request_ends_its_stream(tgt, drafter):
-    eng = Engine(tgt.model, tgt.tokenizer, drafter, 4, "greedy", SPSTable.synthetic("smooth"), max_batch=1, max_queue=4)
+    eng = Engine(tgt.model, tgt.tokenizer, drafter, gamma=4, policy="greedy", sps=SPSTable.synthetic("smooth"), max_batch=1, max_queue=4)
     woken = []
     try:
         busy = eng.submit(ids_of(tgt, "a = "), SamplingParams(1.0), 1500, 0)
@@ -111,7 +111,7 @@ def text_of(events):
 def test_tiny_temperature_requests_never_leak_slots(tgt, drafter):
     """temperature=1e-40 once gave NaN at prefill and leaked the slot: after max_batch of them nothing
     was admitted again."""
-    eng = Engine(tgt.model, tgt.tokenizer, drafter, 4, "greedy", SPSTable.synthetic("smooth"), max_batch=2, max_queue=8)
+    eng = Engine(tgt.model, tgt.tokenizer, drafter, gamma=4, policy="greedy", sps=SPSTable.synthetic("smooth"), max_batch=2, max_queue=8)
     try:
         streams = [eng.submit(ids_of(tgt, f"x{i} = "), SamplingParams(1e-40), 6) for i in range(5)]
         runs = [drain(s) for s in streams]
@@ -128,7 +128,7 @@ def test_seed_pins_the_output_and_no_seed_varies_it(tgt, drafter):
     (the engine's schedule changes between the two); requests without a seed are not all seed 0."""
     from dspark.calibration.sts import Calibration
 
-    eng = Engine(tgt.model, tgt.tokenizer, drafter, 4, "greedy", SPSTable.synthetic("smooth"), max_batch=3, max_queue=16)
+    eng = Engine(tgt.model, tgt.tokenizer, drafter, gamma=4, policy="greedy", sps=SPSTable.synthetic("smooth"), max_batch=3, max_queue=16)
     try:
         first = drain(eng.submit(ids_of(tgt, "def f(x):"), SamplingParams(1.0), 24, 3))
         eng.set_calibration(Calibration([1.0] * 4, [-8.0] * 4))  # almost no draft is verified from now on
@@ -148,8 +148,8 @@ def test_wrong_length_calibration_is_refused_up_front(tgt, drafter):
     from dspark.errors import UserError
 
     with pytest.raises(UserError, match="calibration has 2 positions but gamma=4"):
-        Engine(tgt.model, tgt.tokenizer, drafter, 4, "greedy", calibration=Calibration([1.0, 1.0], [0.0, 0.0]))
-    eng = Engine(tgt.model, tgt.tokenizer, drafter, 4, "greedy", max_batch=1)
+        Engine(tgt.model, tgt.tokenizer, drafter, gamma=4, policy="greedy", calibration=Calibration([1.0, 1.0], [0.0, 0.0]))
+    eng = Engine(tgt.model, tgt.tokenizer, drafter, gamma=4, policy="greedy", max_batch=1)
     try:
         with pytest.raises(UserError):
             eng.set_calibration(Calibration([1.0, 1.0], [0.0, 0.0]))
@@ -159,7 +159,7 @@ def test_wrong_length_calibration_is_refused_up_front(tgt, drafter):
 
 
 def test_errors_are_events_with_an_http_status(tgt, drafter):
-    eng = Engine(tgt.model, tgt.tokenizer, drafter, 4, "greedy", max_batch=2, max_len=64)
+    eng = Engine(tgt.model, tgt.tokenizer, drafter, gamma=4, policy="greedy", max_batch=2, max_len=64)
     try:
         with pytest.raises(ValueError, match="context limit of 64"):
             eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 100)

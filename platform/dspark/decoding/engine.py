@@ -71,7 +71,7 @@ class Stream:
 
 
 class Engine:
-    def __init__(self, target_model, tokenizer, drafter=None, gamma: int = 7, policy: str = "greedy",
+    def __init__(self, target_model, tokenizer, drafter=None, *, gamma: int = 7, policy: str = "greedy",
                  sps: Optional[SPSTable] = None, max_batch: int = 8, max_queue: int = 32, static_len: int = 4,
                  threshold: float = 0.5, calibration: Optional[Calibration] = None,
                  observer: Optional[Callable[[list], None]] = None, metrics=None, idle_probe: int = 0,

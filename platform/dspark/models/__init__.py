@@ -31,26 +31,29 @@ def build_drafter(c: DrafterConfig, target) -> Drafter:
     return DSpark(c, head)
 
 
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"  # a drafter folder (+ calibration.json)
+
+
 def save_drafter(drafter: Drafter, path: str | Path) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    drafter.c.save(path / "config.json")
+    drafter.c.save(path / CONFIG_FILE)
     state = {k: v.detach().float().contiguous().cpu() for k, v in drafter.state_dict().items()}
-    save_file(state, str(path / "model.safetensors"), metadata={"kind": drafter.c.kind})
+    save_file(state, str(path / WEIGHTS_FILE), metadata={"kind": drafter.c.kind})
 
 
 def load_drafter(path: str | Path, target_model, target_hash: str | None = None, strict_target: bool = True) -> Drafter:
     path = Path(path)
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        raise UserError(f"drafter not found: {path} (expected config.json and model.safetensors)")
-    c = DrafterConfig.load(path / "config.json")
+    if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
+        raise UserError(f"drafter not found: {path} (expected {CONFIG_FILE} and {WEIGHTS_FILE})")
+    c = DrafterConfig.load(path / CONFIG_FILE)
     trained_for = c.target.get("weights_sha256")
     if strict_target and target_hash and trained_for and trained_for != target_hash:
         raise UserError(f"drafter {path} was trained for target weights {trained_for[:12]}, "
                         f"not the loaded target {target_hash[:12]} (target.weights_sha256 mismatch)")
     drafter = build_drafter(c, target_model)
     dtype = next(target_model.parameters()).dtype
-    drafter.load_state_dict(load_file(str(path / "model.safetensors")))
+    drafter.load_state_dict(load_file(str(path / WEIGHTS_FILE)))
     return drafter.to(device=next(target_model.parameters()).device, dtype=dtype).eval()
 
 
