@@ -85,6 +85,45 @@ class Tracker:
             (self.mlflow.log_artifacts if p.is_dir() else self.mlflow.log_artifact)(str(p), artifact_path)
 
 
+class RunClient:
+    """An existing run written from another process (rank 0 of a training worker group): no active-run
+    state, parameters redacted like Tracker's, each step's metrics logged exactly once across restarts."""
+
+    def __init__(self, cfg: Config, run_id: str):
+        os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+        import mlflow
+
+        self.run_id = run_id
+        self.client = mlflow.MlflowClient(cfg.mlflow.tracking_uri)
+        self.logged_step: int | None = None  # the last step MLflow has (read once, on the first write)
+
+    def params(self, values: dict) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(redact(k, v))[:500]) for k, v in values.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def log_new(self, metrics: list[dict], prefix: str = "train.") -> None:
+        """Log the steps MLflow does not have yet (each dict carries its "step")."""
+        from mlflow.entities import Metric
+
+        if not metrics:
+            return
+        if self.logged_step is None:  # a (re)started worker: what did earlier attempts log?
+            history = self.client.get_metric_history(self.run_id, f"{prefix}loss")
+            self.logged_step = max((m.step for m in history), default=0)
+        now = int(time.time() * 1000)
+        batch = [Metric(f"{prefix}{k}", float(v), now, int(m["step"])) for m in metrics if m["step"] > self.logged_step
+                 for k, v in m.items()]
+        for i in range(0, len(batch), 900):
+            self.client.log_batch(self.run_id, metrics=batch[i:i + 900])
+        self.logged_step = max(self.logged_step, max(int(m["step"]) for m in metrics))
+
+    def artifacts(self, local_dir: str | Path, artifact_path: str) -> None:
+        self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)
+
+
 @contextmanager
 def run(cfg: Config, run_name: str, run_id: str | None = None, tags: dict | None = None) -> Iterator[Tracker]:
     """An MLflow run (resumed when run_id is given), or a no-op tracker when MLflow is disabled.

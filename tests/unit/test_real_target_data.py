@@ -10,7 +10,7 @@ from dspark import target as targets
 from dspark.config import load_config
 from dspark.corpus.tokenizer import chat_ids, encode_prompt
 from dspark.models import DrafterConfig, build_drafter
-from dspark.train.distributed import _mask_id
+from dspark.train.worker import mask_id
 
 
 def test_builtin_target_renders_its_historical_prompt_format():
@@ -21,8 +21,8 @@ def test_builtin_target_renders_its_historical_prompt_format():
 
 def test_configured_mask_token_reaches_the_drafter_config():
     cfg = load_config(overrides=["target.mask_token=100"])
-    assert _mask_id(cfg) == 100
-    assert _mask_id(load_config()) == targets.tokenizer_for("builtin").mask_token_id != 100
+    assert mask_id(cfg) == 100
+    assert mask_id(load_config()) == targets.tokenizer_for("builtin").mask_token_id != 100
 
 
 def test_evaluation_on_named_prompt_sets_measures_every_turn(tmp_path):
@@ -52,7 +52,7 @@ def test_drafter_of_a_bfloat16_target_trains_in_float32():
     copy of the target's head stay float32 for training, so every kind's loss backpropagates."""
     from types import SimpleNamespace
 
-    from dspark.train.distributed import _drafter_for
+    from dspark.train.worker import drafter_for
     from dspark.train.loss import LossWeights, drafter_loss
 
     t = 24
@@ -62,7 +62,7 @@ def test_drafter_of_a_bfloat16_target_trains_in_float32():
     for kind in ("dspark", "dflash", "eagle3"):
         cfg = load_config(overrides=["target.dtype=bfloat16", f"train.drafter={kind}", "train.num_layers=1",
                                      "train.gamma=3", "train.markov_rank=8"])
-        drafter = _drafter_for(cfg, SimpleNamespace(layers=[1, 2, 3], target={"name": "builtin"}), "cpu")
+        drafter = drafter_for(cfg, SimpleNamespace(layers=[1, 2, 3], target={"name": "builtin"}), "cpu")
         assert all(p.dtype == torch.float32 for p in drafter.parameters())
         loss, _, _ = drafter_loss(drafter, batch, 3, 4, LossWeights.from_config(cfg.train), torch.Generator().manual_seed(0))
         loss.backward()
