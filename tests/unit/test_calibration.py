@@ -1,5 +1,6 @@
 import numpy as np
 
+from dspark import evaluation
 from dspark.calibration import sts
 from dspark.calibration.metrics import auroc, brier, ece, ece_floor, reliability
 
@@ -81,7 +82,7 @@ def test_threshold_sweep_replays_shorter_verification_exactly():
     c = np.array([[0.9, 0.8, 0.1], [0.5, 0.5, 0.5], [0.9, 0.9, 0.9]])  # conditional confidences
     obs = sts.Observations(np.log(c / (1 - c)), verified=np.array([3, 3, 1]), accepted=np.array([2, 0, 1]))
     # a = (0.9, 0.72, 0.072) and (0.5, 0.25, 0.125); the third round verified one draft only: left out
-    rows = {r["threshold"]: r for r in sts.threshold_sweep(obs, sts.Calibration.identity(3), thresholds=(0.0, 0.3, 0.95))}
+    rows = {r["threshold"]: r for r in evaluation.threshold_sweep(obs, sts.Calibration.identity(3), thresholds=(0.0, 0.3, 0.95))}
     assert rows[0.0]["verified"] == 3 and rows[0.0]["accepted"] == 1 and abs(rows[0.0]["acceptance_rate"] - 1 / 3) < 1e-12
     assert rows[0.3]["verified"] == 1.5 and rows[0.3]["accepted"] == 1 and abs(rows[0.3]["acceptance_rate"] - 2 / 3) < 1e-12
     assert rows[0.3]["rejected"] == 0.5 and rows[0.3]["tokens_per_step"] == 2

@@ -151,25 +151,6 @@ def cross_fitted(a: Observations, b: Observations, bias: bool) -> tuple[Observat
     return Observations.concat([b, a]), pred
 
 
-def threshold_sweep(obs: Observations, cal: Calibration, thresholds=tuple(np.round(np.arange(0.0, 0.95, 0.1), 2))) -> list[dict]:
-    """The static-threshold diagnostic (paper Fig. 5) replayed on full-length rounds: verify only the
-    drafts whose calibrated prefix survival a_k >= threshold. Exact, not simulated: whether draft k is
-    accepted depends only on drafts 1..k, so a round that verified all gamma and accepted n would have
-    accepted min(n, l) of its first l. Threshold 0 is fixed-length verification."""
-    from dspark.scheduling.policies import static_threshold
-
-    full = obs.verified == obs.logits.shape[1]
-    a, n = survival(obs.logits[full], cal), obs.accepted[full]
-    rows = []
-    for th in thresholds:
-        ell = static_threshold(a, th)  # (rounds,) verified drafts
-        acc = np.minimum(n, ell)
-        rows.append({"threshold": float(th), "verified": float(ell.mean()), "accepted": float(acc.mean()),
-                     "rejected": float((ell - acc).mean()), "tokens_per_step": float(acc.mean() + 1),
-                     "acceptance_rate": float(acc.sum() / max(ell.sum(), 1))})
-    return rows
-
-
 FILE = "calibration.json"  # in the drafter's folder, next to its config and weights: served with it
 
 

@@ -1,0 +1,67 @@
+"""Offline evaluation of drafters on held-out prompts: tau, conditional acceptance and prefix survival,
+draft / verify latency and wall-clock speedup over plain target decoding with the same runner
+(`measure`); confidence calibration (ECE/AUROC/Brier, STS) for drafters with a confidence head
+(`calibration_study`); JSON + markdown + PNG + MLflow (`report`). `evaluate` runs them all.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from dspark.calibration import sts
+from dspark.decoding.sampling import SamplingParams
+from dspark.evaluation.calibration_study import calibration_rounds, calibration_study, threshold_sweep
+from dspark.evaluation.measure import (RunResult, acceptance, decode, eval_prompts, prompts_for, set_prompts,
+                                       summarize)
+from dspark.evaluation.report import (calibration_markdown, log_results, markdown, plot_acceptance, plot_reliability,
+                                      plot_sweep)
+
+__all__ = ["RunResult", "acceptance", "calibration_rounds", "calibration_study", "decode", "eval_prompts", "evaluate",
+           "log_results", "prompts_for", "save_calibrations", "set_prompts", "summarize", "threshold_sweep"]
+
+
+def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool = True, log=print) -> dict:
+    """Evaluate each named drafter (and plain target decoding) per held-out domain or named prompt set
+    (eval.prompt_sets) and temperature."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ec = cfg.eval
+    eos = target.eos_token_ids
+    results: list[RunResult] = []
+    cal_by: dict = {}  # name -> the calibration study (JSON)
+    shipped: dict = {}  # name -> the Calibration saved with the drafter
+    for name, drafter in drafters.items():
+        if calibrate and drafter.has_confidence:
+            cal = cal_by[name] = calibration_study(cfg, target, drafter, corpus, log)
+            shipped[name] = sts.Calibration.from_dict(cal["calibration"])
+            plot_reliability({f"{name} ({d})": o for d, o in cal.pop("obs").items()}, shipped[name],
+                             out_dir / f"reliability_{name}.png")
+            plot_sweep({f"{name} ({d})": v["threshold_sweep"] for d, v in cal["domains"].items()},
+                       out_dir / f"threshold_sweep_{name}.png")
+    for domain, prompts in eval_prompts(cfg, target, corpus).items():
+        for t in ec.temperatures:
+            sp = SamplingParams(t)
+            t0 = time.perf_counter()
+            plain = summarize("target", domain, sp, 0, decode(target.model, None, prompts, sp, 0, ec.max_new_tokens, eos, ec.seed))
+            plain.speedup = 1.0
+            results.append(plain)
+            for name, drafter in drafters.items():
+                gamma = ec.gamma or drafter.c.gamma
+                reqs = decode(target.model, drafter, prompts, sp, gamma, ec.max_new_tokens, eos, ec.seed)
+                r = summarize(name, domain, sp, gamma, reqs)
+                r.speedup = r.tokens_per_s / plain.tokens_per_s
+                results.append(r)
+            log(f"[eval] {domain} T={t:g}: " + ", ".join(f"{r.drafter} tau {r.tau:.2f}" for r in results[-len(drafters) - 1:])
+                + f" ({time.perf_counter() - t0:.0f}s)")
+    (out_dir / "results.json").write_text(json.dumps({"results": [asdict(r) for r in results], "calibration": cal_by},
+                                                     indent=2) + "\n")
+    (out_dir / "results.md").write_text(markdown(results) + ("\n" + calibration_markdown(cal_by) if cal_by else ""))
+    plot_acceptance(results, out_dir / "conditional_acceptance.png")
+    return {"results": results, "calibrations": shipped, "calibration": cal_by}
+
+
+def save_calibrations(res: dict, folders: dict[str, Path], extra: dict | None = None) -> None:
+    """Each STS calibration `evaluate` fitted, into its drafter's folder (`folders`: name -> local folder)."""
+    for name, cal in res["calibrations"].items():
+        sts.save(folders[name], cal, {"fitted_on": "validation split, T=1", **(extra or {})})
