@@ -28,6 +28,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dspark.decoding.events import Done, Error, Event, Text
 from serving.api import ChatRequest, CompletionRequest, chunk_body, completion_body, error_body, usage_body
 
 log = logging.getLogger("dspark.serving")
@@ -188,8 +189,8 @@ class SpeculativeEngine:
         bos = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
         return bos + self.tokenizer.encode(body["prompt"], add_special_tokens=False)
 
-    async def generate(self, body: dict) -> AsyncIterator[tuple]:
-        """Streams ("text", delta) events, then ("done", info) or ("error", message, status)."""
+    async def generate(self, body: dict) -> AsyncIterator[Event]:
+        """Streams Text events, then one Done or Error."""
         from dspark.decoding.engine import Overloaded
         from dspark.decoding.sampling import SamplingParams
         from dspark.errors import UserError
@@ -199,10 +200,10 @@ class SpeculativeEngine:
             sp = SamplingParams(body["temperature"], body["top_p"], body["top_k"])
             stream = self.engine.submit(ids, sp, body["max_tokens"], body.get("seed"), body.get("stop") or [])
         except Overloaded as e:
-            yield ("error", str(e), 429)
+            yield Error(str(e), 429)
             return
         except (ValueError, UserError) as e:
-            yield ("error", str(e), 400)
+            yield Error(str(e), 400)
             return
         # The engine thread wakes this coroutine after each event: no executor thread ever blocks on a
         # stream (a pool of blocked threads once starved every other stream of the replica).
@@ -218,7 +219,7 @@ class SpeculativeEngine:
                     wake.clear()
                     continue
                 yield ev
-                if ev[0] in ("done", "error"):
+                if isinstance(ev, (Done, Error)):
                     return
         finally:
             if stream.finish_reason is None:  # the client went away: free the slot (or the queue place)
@@ -293,34 +294,30 @@ async def _internal(request: Request, exc: Exception):
     return _error(503 if isinstance(exc, UNAVAILABLE) else 500, f"internal error ({type(exc).__name__})")
 
 
-async def _events(gen) -> AsyncIterator[tuple]:
-    """The engine's stream as ("text", delta)..., then exactly one ("done", info) or ("error", message,
-    status), also when the engine sends an error without a status, ends early, or the call itself fails
-    (e.g. the replica died)."""
+async def _events(gen) -> AsyncIterator[Event]:
+    """The engine's stream as Text events, then exactly one Done or Error, also when the engine's stream
+    ends early or the call itself fails (e.g. the replica died)."""
     try:
         async for ev in gen:
-            if ev[0] == "error":
-                yield ("error", str(ev[1]), ev[2] if len(ev) > 2 else 500)
-                return
             yield ev
-            if ev[0] == "done":
+            if isinstance(ev, (Done, Error)):
                 return
     except UNAVAILABLE as e:
         log.warning("engine unavailable: %s", e)
-        yield ("error", f"the engine is unavailable ({type(e).__name__}); retry later", 503)
+        yield Error(f"the engine is unavailable ({type(e).__name__}); retry later", 503)
         return
     except Exception as e:
         log.exception("engine call failed")
-        yield ("error", f"internal error in the engine ({type(e).__name__})", 500)
+        yield Error(f"internal error in the engine ({type(e).__name__})", 500)
         return
-    yield ("error", "the engine's stream ended without a result", 500)
+    yield Error("the engine's stream ended without a result", 500)
 
 
-async def _collect(ev: tuple, events: AsyncIterator[tuple]) -> tuple[str, tuple]:
-    """A whole answer: its text and the final ("done", ...) or ("error", ...) event."""
+async def _collect(ev: Event, events: AsyncIterator[Event]) -> tuple[str, Done | Error]:
+    """A whole answer: its text and the final Done or Error."""
     text = ""
-    while ev[0] == "text":
-        text += ev[1]
+    while isinstance(ev, Text):
+        text += ev.delta
         ev = await anext(events)
     return text, ev
 
@@ -329,20 +326,20 @@ def _data(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _sse(ev: tuple, events: AsyncIterator[tuple], gen, rid: str, model: str, chat: bool) -> AsyncIterator[str]:
+async def _sse(ev: Event, events: AsyncIterator[Event], gen, rid: str, model: str, chat: bool) -> AsyncIterator[str]:
     """Server-sent events: chunks, a last chunk with usage, then [DONE]. An error after the stream has
     started is sent as an OpenAI-style error event that ends it: never [DONE] after a cut-short answer."""
     try:
         if chat:
             role = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
             yield _data({**chunk_body(rid, model, "", None, chat), "choices": [role]})
-        while ev[0] == "text":
-            yield _data(chunk_body(rid, model, ev[1], None, chat))
+        while isinstance(ev, Text):
+            yield _data(chunk_body(rid, model, ev.delta, None, chat))
             ev = await anext(events)
-        if ev[0] == "error":
-            yield _data(error_body(ev[1], kind=_kind(ev[2])))
+        if isinstance(ev, Error):
+            yield _data(error_body(ev.message, kind=_kind(ev.status)))
             return
-        info = ev[1]
+        info = ev.info
         yield _data({**chunk_body(rid, model, "", info["finish_reason"], chat), "speculative": info["speculative"],
                      "usage": usage_body(info)})
         yield "data: [DONE]\n\n"
@@ -394,15 +391,15 @@ class Ingress:
         streaming = False
         try:
             first = await anext(events)
-            if first[0] == "error":
-                return _error(first[2], first[1])
+            if isinstance(first, Error):
+                return _error(first.status, first.message)
             if body.stream:
                 streaming = True  # the stream owns the engine call from here
                 return StreamingResponse(_sse(first, events, gen, rid, model, chat), media_type="text/event-stream")
             text, last = await _collect(first, events)
-            if last[0] == "error":
-                return _error(last[2], last[1])
-            return completion_body(rid, model, text, last[1], chat)
+            if isinstance(last, Error):
+                return _error(last.status, last.message)
+            return completion_body(rid, model, text, last.info, chat)
         finally:
             if not streaming:
                 gen.cancel()  # finished, failed, or the client went away: the engine frees the slot

@@ -6,6 +6,7 @@ import torch
 
 from dspark import target as targets
 from dspark.decoding.engine import Engine, Overloaded
+from dspark.decoding.events import Done, Error, Text
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.models import DrafterConfig, build_drafter
@@ -27,8 +28,8 @@ def drafter(tgt):
 
 def collect(stream):
     text, ev = "", stream.events.get(timeout=120)
-    while ev[0] == "text":
-        text += ev[1]
+    while isinstance(ev, Text):
+        text += ev.delta
         ev = stream.events.get(timeout=120)
     return text, ev
 
@@ -50,10 +51,10 @@ def test_concurrent_requests_get_exact_greedy_outputs(tgt, drafter, policy):
     plain = SpeculativeDecoder(tgt.model, None).run([Request(ids_of(tgt, p), SamplingParams(0.0), 16, 0,
                                                              (tgt.tokenizer.eos_token_id,)) for p in prompts])
     for (text, done), ref in zip(outs, plain):
-        assert done[0] == "done" and text == tgt.tokenizer.decode(ref.out, skip_special_tokens=True)
-        assert done[1]["completion_tokens"] == len(ref.out)
+        assert isinstance(done, Done) and text == tgt.tokenizer.decode(ref.out, skip_special_tokens=True)
+        assert done.info["completion_tokens"] == len(ref.out)
         if policy == "none":
-            assert sum(done[1]["speculative"]["verified_per_position"]) == 0
+            assert sum(done.info["speculative"]["verified_per_position"]) == 0
 
 
 def test_queue_bound_cancel_and_stop(tgt, drafter):
@@ -62,18 +63,18 @@ def test_queue_bound_cancel_and_stop(tgt, drafter):
         with pytest.raises(ValueError, match="context limit"):
             eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 10_000, 0)
         long = eng.submit(ids_of(tgt, "a = "), SamplingParams(1.0), 1500, 0)
-        assert long.events.get(timeout=60)[0] == "text"  # it holds the only slot now
+        assert isinstance(long.events.get(timeout=60), Text)  # it holds the only slot now
         queued = [eng.submit(ids_of(tgt, "b = "), SamplingParams(1.0), 8, i) for i in range(2)]
         with pytest.raises(Overloaded):
             eng.submit(ids_of(tgt, "c = "), SamplingParams(1.0), 8, 0)
         eng.cancel(long)  # the client went away: its slot goes to the queue
         for s in queued:
-            assert collect(s)[1][0] == "done"
+            assert isinstance(collect(s)[1], Done)
         state = eng.state()
         assert state["active"] == 0 and state["waiting"] == 0
         stop = eng.submit(ids_of(tgt, "def f(x):\n"), SamplingParams(0.0), 40, 0, stop=["\n"])
         text, done = collect(stop)
-        assert "\n" not in text and done[1]["finish_reason"] == "stop"
+        assert "\n" not in text and done.info["finish_reason"] == "stop"
     finally:
         eng.close()
 
@@ -81,7 +82,7 @@ def test_queue_bound_cancel_and_stop(tgt, drafter):
 def drain(stream, timeout=120):
     """Every event of a stream, up to and including its single terminal event."""
     events = [stream.events.get(timeout=timeout)]
-    while events[-1][0] == "text":
+    while isinstance(events[-1], Text):
         events.append(stream.events.get(timeout=timeout))
     return events
 
@@ -91,21 +92,21 @@ def test_cancelling_a_queued_request_ends_its_stream(tgt, drafter):
     woken = []
     try:
         busy = eng.submit(ids_of(tgt, "a = "), SamplingParams(1.0), 1500, 0)
-        assert busy.events.get(timeout=60)[0] == "text"
+        assert isinstance(busy.events.get(timeout=60), Text)
         queued = eng.submit(ids_of(tgt, "b = "), SamplingParams(1.0), 8, 1)
         queued.notify = lambda: woken.append(1)
         eng.cancel(queued)  # the client disconnected while waiting for a slot
         ev = queued.events.get(timeout=10)  # before the fix: no event ever came, its reader blocked forever
-        assert ev[0] == "done" and ev[1]["finish_reason"] == "cancelled" and woken == [1]
+        assert isinstance(ev, Done) and ev.info["finish_reason"] == "cancelled" and woken == [1]
         eng.cancel(busy)
-        assert drain(busy)[-1][0] == "done"
+        assert isinstance(drain(busy)[-1], Done)
         assert eng.state()["free_slots"] == 1 and eng.state()["waiting"] == 0
     finally:
         eng.close()
 
 
 def text_of(events):
-    return "".join(e[1] for e in events if e[0] == "text")
+    return "".join(e.delta for e in events if isinstance(e, Text))
 
 
 def test_tiny_temperature_requests_never_leak_slots(tgt, drafter):
@@ -115,7 +116,7 @@ def test_tiny_temperature_requests_never_leak_slots(tgt, drafter):
     try:
         streams = [eng.submit(ids_of(tgt, f"x{i} = "), SamplingParams(1e-40), 6) for i in range(5)]
         runs = [drain(s) for s in streams]
-        assert all(r[-1][0] == "done" for r in runs), [r[-1] for r in runs]
+        assert all(isinstance(r[-1], Done) for r in runs), [r[-1] for r in runs]
         greedy = drain(eng.submit(ids_of(tgt, "x0 = "), SamplingParams(0.0), 6))
         assert text_of(greedy) == text_of(runs[0])  # T -> 0 is greedy
         assert eng.state()["free_slots"] == 2
@@ -138,7 +139,7 @@ def test_seed_pins_the_output_and_no_seed_varies_it(tgt, drafter):
             text_of(drain(eng.submit(ids_of(tgt, "def f(x):"), SamplingParams(1.0), 24))) for _ in range(2)]
         assert text_of(first) == text_of(second)
         assert unseeded[2] != unseeded[3]  # 24 tokens at T=1 from a high-entropy target: equal only if seeded alike
-        assert first[-1][1]["speculative"] != second[-1][1]["speculative"]  # and the schedule did differ
+        assert first[-1].info["speculative"] != second[-1].info["speculative"]  # and the schedule did differ
     finally:
         eng.close()
 
@@ -153,7 +154,7 @@ def test_wrong_length_calibration_is_refused_up_front(tgt, drafter):
     try:
         with pytest.raises(UserError):
             eng.set_calibration(Calibration([1.0, 1.0], [0.0, 0.0]))
-        assert drain(eng.submit(ids_of(tgt, "z = "), SamplingParams(1.0), 8))[-1][0] == "done"
+        assert isinstance(drain(eng.submit(ids_of(tgt, "z = "), SamplingParams(1.0), 8))[-1], Done)
     finally:
         eng.close()
 
@@ -167,7 +168,7 @@ def test_errors_are_events_with_an_http_status(tgt, drafter):
             eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 8, 2 ** 64)
         eng.decoder.drafter.extend = None  # every prefill now fails inside the engine thread
         ev = drain(eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 8))[-1]
-        assert ev[0] == "error" and ev[2] == 500 and "prefill failed" in ev[1]
+        assert isinstance(ev, Error) and ev.status == 500 and "prefill failed" in ev.message
         assert eng.state()["free_slots"] == 2
     finally:
         eng.close()

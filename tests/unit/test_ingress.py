@@ -10,10 +10,11 @@ from ray import serve
 from ray.exceptions import RayActorError
 
 from dspark.config import load_config
+from dspark.decoding.events import Done, Error, Text
 from serving import app as serving
 
 KEY = "k-123"
-DONE = ("done", {"finish_reason": "length", "completion_tokens": 2, "prompt_tokens": 3, "speculative": {"rounds": 1}})
+DONE = Done({"finish_reason": "length", "completion_tokens": 2, "prompt_tokens": 3, "speculative": {"rounds": 1}})
 
 
 class Call:
@@ -68,13 +69,13 @@ def sse(r) -> list:
 
 
 @pytest.mark.parametrize("events, fail, status, message", [
-    ([("error", "4 requests already waiting", 429)], None, 429, "already waiting"),
-    ([("error", "KV cache full")], None, 500, "KV cache full"),  # an error without a status
-    ([("text", "ab"), ("error", "round failed")], None, 500, "round failed"),  # mid-answer
-    ([("text", "ab"), ("error", "cannot fit now", 503)], None, 503, "cannot fit"),
+    ([Error("4 requests already waiting", 429)], None, 429, "already waiting"),
+    ([Error("KV cache full")], None, 500, "KV cache full"),  # an error with the default status
+    ([Text("ab"), Error("round failed")], None, 500, "round failed"),  # mid-answer
+    ([Text("ab"), Error("cannot fit now", 503)], None, 503, "cannot fit"),
     ([], RayActorError(), 503, "unavailable"),  # the replica died
-    ([("text", "ab")], RuntimeError("lost"), 500, "RuntimeError"),
-    ([("text", "ab")], None, 500, "without a result"),  # the stream ended without done or error
+    ([Text("ab")], RuntimeError("lost"), 500, "RuntimeError"),
+    ([Text("ab")], None, 500, "without a result"),  # the stream ended without done or error
 ])
 def test_engine_errors_become_json_errors_with_their_status(monkeypatch, events, fail, status, message):
     engine = Engine(*events, fail=fail)
@@ -85,9 +86,9 @@ def test_engine_errors_become_json_errors_with_their_status(monkeypatch, events,
 
 
 @pytest.mark.parametrize("events, fail, status, message", [
-    ([("text", "ab"), ("error", "round failed")], None, 500, "round failed"),
-    ([("text", "ab"), ("error", "cannot fit now", 503)], None, 503, "cannot fit"),
-    ([("text", "ab")], RayActorError(), 503, "unavailable"),
+    ([Text("ab"), Error("round failed")], None, 500, "round failed"),
+    ([Text("ab"), Error("cannot fit now", 503)], None, 503, "cannot fit"),
+    ([Text("ab")], RayActorError(), 503, "unavailable"),
 ])
 @pytest.mark.parametrize("chat", [False, True])
 def test_error_mid_stream_is_an_error_event_never_done(monkeypatch, events, fail, status, message, chat):
@@ -105,14 +106,14 @@ def test_error_mid_stream_is_an_error_event_never_done(monkeypatch, events, fail
 
 
 def test_stream_that_completes_ends_with_usage_and_done(monkeypatch):
-    engine = Engine(("text", "ab"), DONE)
+    engine = Engine(Text("ab"), DONE)
     with client(monkeypatch, engine).stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as r:
         data = sse(r)
     assert data[-1] == "[DONE]" and json.loads(data[-2])["usage"]["total_tokens"] == 5
 
 
 def test_seed_none_passes_through_and_out_of_range_seeds_are_400(monkeypatch):
-    engine = Engine(("text", "ab"), DONE)
+    engine = Engine(Text("ab"), DONE)
     c = client(monkeypatch, engine)
     assert c.post("/v1/completions", json={"prompt": "x", "temperature": 1}).status_code == 200
     assert engine.bodies[-1]["seed"] is None  # the engine picks a fresh seed, not 0 for everyone
@@ -136,7 +137,7 @@ def test_seed_none_passes_through_and_out_of_range_seeds_are_400(monkeypatch):
     ({"top_p": float("nan")}, "top_p"),
 ])
 def test_unsupported_and_unknown_fields_are_400_naming_them(monkeypatch, extra, named):
-    engine = Engine(("text", "ab"), DONE)
+    engine = Engine(Text("ab"), DONE)
     content = json.dumps({"prompt": "x", **extra})  # NaN and Infinity as Python's json writes them
     r = client(monkeypatch, engine).post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
@@ -150,14 +151,14 @@ def test_unsupported_and_unknown_fields_are_400_naming_them(monkeypatch, extra, 
     {"user": "u-1", "metadata": {"a": "b"}, "store": False, "service_tier": "auto", "stream_options": {"include_usage": True}},
 ])
 def test_neutral_values_and_metadata_are_accepted(monkeypatch, extra):
-    engine = Engine(("text", "ab"), DONE)
+    engine = Engine(Text("ab"), DONE)
     r = client(monkeypatch, engine).post("/v1/completions", json={"prompt": "x", **extra})
     assert r.status_code == 200, r.text
     assert not set(extra) & set(engine.bodies[0])
 
 
 def test_max_completion_tokens_sets_the_chat_limit(monkeypatch):
-    engine = Engine(("text", "ab"), DONE)
+    engine = Engine(Text("ab"), DONE)
     c = client(monkeypatch, engine)
     msgs = [{"role": "user", "content": "x"}]
     assert c.post("/v1/chat/completions", json={"messages": msgs, "max_completion_tokens": 7}).status_code == 200
@@ -170,7 +171,7 @@ def test_max_completion_tokens_sets_the_chat_limit(monkeypatch):
 def test_api_key_guards_every_route_but_health_before_the_body_is_read(monkeypatch):
     compared = []
     monkeypatch.setattr(serving.hmac, "compare_digest", lambda a, b: compared.append(1) or a == b)
-    engine = Engine(("text", "ab"), DONE)
+    engine = Engine(Text("ab"), DONE)
     c = client(monkeypatch, engine, f"serve.api_key={KEY}")
     good, wrong = {"Authorization": f"Bearer {KEY}"}, {"Authorization": "Bearer k-124"}
     assert c.get("/health").status_code == 200
@@ -188,7 +189,7 @@ def test_api_key_guards_every_route_but_health_before_the_body_is_read(monkeypat
 
 
 def test_bad_bodies_are_400_without_a_key(monkeypatch):
-    c = client(monkeypatch, Engine(("text", "ab"), DONE))
+    c = client(monkeypatch, Engine(Text("ab"), DONE))
     for body, named in ((b"{not json", "not valid JSON"), (b"[]", "JSON object"), (b"null", "JSON object"),
                         (b'{"prompt": 3}', "prompt"), (b'{"messages": []}', "messages"),
                         (b'{"prompt": "\\ud800"}', "prompt"),  # a lone surrogate: no tokenizer takes it

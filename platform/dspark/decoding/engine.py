@@ -6,7 +6,7 @@ survival and the SPS table -> one flattened target forward verifies everything -
 sampling. Acceptance outcomes go to an observer (the calibration actor) and a fresh STS calibration
 can be installed between rounds. The waiting queue is bounded: beyond it `submit` raises Overloaded.
 
-Every stream ends with exactly one ("done", info) or ("error", message, http_status) event, also when
+Every stream ends with exactly one Done(info) or Error(message, http_status) event, also when
 it is cancelled while queued; `Stream.notify` (optional) is called after each event, so an asyncio
 consumer needs no thread blocked on the queue. A request's failure never takes a slot with it.
 """
@@ -27,6 +27,7 @@ from dspark.calibration.sts import Calibration
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.errors import UserError
+from dspark.decoding.events import Done, Error, Event, Text
 from dspark.scheduling.policies import POLICIES, make_policy
 from dspark.scheduling.sps import SPSTable
 
@@ -52,14 +53,14 @@ class Stream:
     finish_reason: Optional[str] = None
     notify: Optional[Callable[[], None]] = None  # called after every event (from the engine thread)
 
-    def put(self, event: tuple) -> None:
+    def put(self, event: Event) -> None:
         self.events.put(event)
         if self.notify is not None:
             self.notify()
 
     def fail(self, message: str, status: int) -> None:
         self.finish_reason = "error"
-        self.put(("error", message, status))
+        self.put(Error(message, status))
 
     def stats(self) -> dict:
         gamma = max((r.verified for r in self.req.rounds), default=0)
@@ -206,7 +207,7 @@ class Engine:
             text = text[:stopped]
             s.finish_reason = "stop"
         if len(text) > len(s.sent_text) and text.startswith(s.sent_text) and not text.endswith("\ufffd"):
-            s.put(("text", text[len(s.sent_text):]))
+            s.put(Text(text[len(s.sent_text):]))
             s.sent_text = text
         s.sent_tokens = len(out)
         if s.req.done or s.finish_reason == "stop":
@@ -215,14 +216,14 @@ class Engine:
             if s.finish_reason == "stop" and not s.req.done:
                 self.decoder.cancel(s.req)
             if len(text) > len(s.sent_text):
-                s.put(("text", text[len(s.sent_text):]))
+                s.put(Text(text[len(s.sent_text):]))
                 s.sent_text = text
             self._finish(s)
 
     def _finish(self, s: Stream) -> None:
         self.streams.pop(id(s.req), None)
-        s.put(("done", {"finish_reason": s.finish_reason, "completion_tokens": len(s.req.out),
-                               "prompt_tokens": len(s.req.prompt), "speculative": s.stats()}))
+        s.put(Done({"finish_reason": s.finish_reason, "completion_tokens": len(s.req.out),
+                    "prompt_tokens": len(s.req.prompt), "speculative": s.stats()}))
 
     def _observe(self, batch: list[Request], seconds: float) -> None:
         rounds = [r.rounds[-1] for r in batch if r.rounds]
