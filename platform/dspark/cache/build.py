@@ -24,16 +24,27 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
+from dspark import target as targets
 from dspark.artifacts import cache_uri
 from dspark.cache import codec as codecs
-from dspark.cache.format import MANIFEST, PARQUET_OPTIONS, SCHEMA, Manifest, ShardStats, sha256_of, shard_name
+from dspark.cache.format import (
+    MANIFEST,
+    PARQUET_OPTIONS,
+    SCHEMA,
+    Manifest,
+    ShardStats,
+    sha256_of,
+    shard_name,
+)
 from dspark.cache.lock import CacheLock
 from dspark.cache.read import decode_batch, read_manifest, read_shard
+from dspark.cluster import quiet_ray_data
 from dspark.config import Config
 from dspark.corpus.conversations import Conversation, cache_sources
 from dspark.corpus.tokenizer import chat_ids
 from dspark.errors import UserError
 from dspark.storage import Storage
+from dspark.target.taps import extract, resolve_layers
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +72,6 @@ class ShardBuilder:
 
     def __init__(self, cfg_json: str, cache_uri: str, layers: list[int], storage: Storage, settings: dict):
         cfg = Config.model_validate_json(cfg_json)
-        from dspark import target as targets
-
         self.cfg, self.cache_uri, self.layers, self.storage, self.settings = cfg, cache_uri, layers, storage, settings
         self.tgt = targets.load_from_config(cfg.target)
         self.tok = self.tgt.tokenizer
@@ -181,8 +190,6 @@ def make_rows(model, layers: list[int], codec: str, seq_ids: list[str], domains:
               seqs: list[list[int]], n_prompt: list[int]) -> dict[str, list]:
     """Cache rows (columns of SCHEMA) for token sequences whose first n_prompt tokens are the prompt:
     one target forward per sequence captures the tapped layers and the last hidden state."""
-    from dspark.target.taps import extract
-
     cols: dict[str, list] = {f.name: [] for f in SCHEMA}
     for sid, dom, ids, n in zip(seq_ids, domains, seqs, n_prompt):
         feats, last = extract(model, ids, layers)  # (T, m, d), (T, d)
@@ -253,9 +260,6 @@ def check_resume(uri: str, done: dict[int, tuple[ShardStats, dict | None]], want
 def build_cache(cfg: Config, tracker=None, log_fn=print) -> Manifest:
     """Build (or finish building) the cache of `cache.sources` (the built-in corpus's train split and/or JSONL
     conversations); returns the manifest."""
-    from dspark import target as targets
-    from dspark.target.taps import resolve_layers
-
     cc = cfg.cache
     codecs.bytes_per_vector(cc.codec, 1)  # validates the codec name
     storage = Storage.from_config(cfg.storage)
@@ -316,8 +320,6 @@ def _build_shards(cfg: Config, uri: str, storage: Storage, layers: list[int], se
                   todo: list[int], stats: dict[int, ShardStats], tracker, log_fn) -> None:
     """Build the shards `todo` on a Ray Data actor pool; their stats land in `stats` as they finish."""
     import ray
-
-    from dspark.cluster import quiet_ray_data
 
     cc = cfg.cache
     items = [{"shard_id": i, "conversations": [c.to_json() for c in shards[i]]} for i in todo]

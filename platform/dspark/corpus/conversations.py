@@ -16,6 +16,8 @@ import json
 import posixpath
 from dataclasses import dataclass, field
 
+from dspark.corpus.examples import split_examples
+from dspark.corpus.sources import DOMAINS, Corpus
 from dspark.errors import UserError
 
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
@@ -154,9 +156,6 @@ def spread(items: list, n: int) -> list:
 def builtin_conversations(corpus, split: str, cfg, n: int = 0) -> list[Conversation]:
     """One-turn conversations of the built-in corpus's split, its domains interleaved, at most n (0 = all).
     `cfg` is a dspark.config.CorpusConfig."""
-    from dspark.corpus.examples import split_examples
-    from dspark.corpus.sources import DOMAINS
-
     by_dom = [split_examples(corpus, d, split, cfg) for d in DOMAINS]
     examples = [ex for group in zip(*by_dom) for ex in group] if n else [ex for group in by_dom for ex in group]
     return [Conversation(ex.example_id, ex.domain, (ex.prompt,)) for ex in examples[: n or None]]
@@ -166,8 +165,6 @@ def cache_sources(cfg, storage, log_fn=print) -> tuple[list[Conversation], str]:
     """The conversations `cache.sources` names ("builtin": the built-in corpus's train split; else JSONL
     URIs), at most `cache.max_examples` from each, and one sha256 identifying them all.
     `cfg` is a dspark.config.Config."""
-    from dspark.corpus.sources import Corpus
-
     cc = cfg.cache
     convs, hashes = [], []
     for src in cc.sources:

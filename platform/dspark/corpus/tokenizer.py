@@ -10,10 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
+from dspark.errors import UserError
 from jinja2 import TemplateError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-from dspark.errors import UserError
 
 BOS, EOS, PAD, MASK = "<|bos|>", "<|eos|>", "<|pad|>", "<|mask|>"
 USER, ASSISTANT, SYSTEM = "<|user|>", "<|assistant|>", "<|system|>"

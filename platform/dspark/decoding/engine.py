@@ -24,10 +24,10 @@ from typing import Callable, Optional
 import numpy as np
 
 from dspark.calibration.sts import Calibration
+from dspark.decoding.events import Done, Error, Event, Text
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.errors import UserError
-from dspark.decoding.events import Done, Error, Event, Text
 from dspark.scheduling.policies import POLICIES, make_policy
 from dspark.scheduling.sps import SPSTable
 

@@ -26,7 +26,14 @@ import torch
 from dspark.calibration import sts
 from dspark.calibration.sts import Calibration
 from dspark.decoding.runner import TargetRunner
-from dspark.decoding.sampling import BatchSampler, SamplingParams, draw, gumbel, perturbed, probs
+from dspark.decoding.sampling import (
+    BatchSampler,
+    SamplingParams,
+    draw,
+    gumbel,
+    perturbed,
+    probs,
+)
 from dspark.decoding.verify import verify_greedy, verify_one
 from dspark.errors import UserError
 from dspark.models.drafter import Drafter, DraftState

@@ -12,11 +12,28 @@ from pathlib import Path
 
 from dspark.calibration import sts
 from dspark.decoding.sampling import SamplingParams
-from dspark.evaluation.calibration_study import calibration_rounds, calibration_study, threshold_sweep
-from dspark.evaluation.measure import (RunResult, acceptance, decode, eval_prompts, prompts_for, set_prompts,
-                                       summarize)
-from dspark.evaluation.report import (calibration_markdown, log_results, markdown, plot_acceptance, plot_reliability,
-                                      plot_sweep)
+from dspark.evaluation.calibration_study import (
+    calibration_rounds,
+    calibration_study,
+    threshold_sweep,
+)
+from dspark.evaluation.measure import (
+    RunResult,
+    acceptance,
+    decode,
+    eval_prompts,
+    prompts_for,
+    set_prompts,
+    summarize,
+)
+from dspark.evaluation.report import (
+    calibration_markdown,
+    log_results,
+    markdown,
+    plot_acceptance,
+    plot_reliability,
+    plot_sweep,
+)
 
 __all__ = ["RunResult", "acceptance", "calibration_rounds", "calibration_study", "decode", "eval_prompts", "evaluate",
            "log_results", "prompts_for", "save_calibrations", "set_prompts", "summarize", "threshold_sweep"]

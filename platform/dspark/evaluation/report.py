@@ -8,6 +8,7 @@ import numpy as np
 
 from dspark import plots
 from dspark.calibration import sts
+from dspark.calibration.metrics import ece, reliability
 from dspark.evaluation.measure import RunResult
 
 
@@ -58,8 +59,6 @@ def plot_acceptance(results: list[RunResult], path: Path) -> None:
 def plot_reliability(obs_by: dict, cal: sts.Calibration, path: Path, bins: int = 20) -> None:
     """Reliability diagrams of prefix survival a_k (paper Fig. 6): one row per held-out domain, one
     column per position, raw vs calibrated, with the ECE of each and the bin counts shaded."""
-    from dspark.calibration.metrics import ece, reliability
-
     gamma = next(iter(obs_by.values())).logits.shape[1]
     ks = list(range(1, min(gamma, 4) + 1))  # later positions hold almost no survival mass at this scale
     fig, axes = plots.figure(len(obs_by), len(ks), (3.6 * len(ks), 3.4 * len(obs_by)))

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from dspark.config import LOCAL_DIR
+from dspark.corpus.tokenizer import load_tokenizer
 from dspark.errors import UserError
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
@@ -224,22 +225,16 @@ def load(name_or_path: str = "builtin", device: str = "cpu", dtype: str = "float
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"target {path!r} could not be loaded: {str(e).splitlines()[0]}") from None
-    tokenizer = prepare_tokenizer(_tokenizer(path), model.config.vocab_size, mask_token, pad_token)
+    tokenizer = prepare_tokenizer(load_tokenizer(path), model.config.vocab_size, mask_token, pad_token)
     model.to(device).eval().requires_grad_(False)
     return Target(name_or_path, path, model, tokenizer, weights_hash(path), hub_revision(path))
-
-
-def _tokenizer(path: str):
-    from dspark.corpus.tokenizer import load_tokenizer
-
-    return load_tokenizer(path)
 
 
 def tokenizer_for(name_or_path: str, revision: str | None = None, cache_dir: str | Path | None = None,
                   mask_token: int | str | None = None, pad_token: str | None = None):
     """The target's tokenizer as `load` prepares it, without loading the weights."""
     path = resolve(name_or_path, revision, cache_dir)
-    return prepare_tokenizer(_tokenizer(path), hf_config(path).vocab_size, mask_token, pad_token)
+    return prepare_tokenizer(load_tokenizer(path), hf_config(path).vocab_size, mask_token, pad_token)
 
 
 def tokenizer_from_config(cfg):

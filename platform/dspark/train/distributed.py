@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 import ray
-from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import (
+    CheckpointConfig,
+    DataConfig,
+    FailureConfig,
+    RunConfig,
+    ScalingConfig,
+)
 from ray.train.torch import TorchTrainer
 
 from dspark import artifacts, tracking
