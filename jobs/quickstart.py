@@ -20,6 +20,8 @@ import os
 import time
 
 import _bootstrap  # noqa: F401
+# Heavy parts of the library (torch, Ray, DeepSpeed) are imported inside the functions that use them,
+# after the arguments are parsed: --help and a bad setting answer at once.
 
 from dspark.artifacts import cache_uri, drafter_uri
 from dspark.config import Config, add_config_args, config_from_args, run_main

@@ -9,6 +9,8 @@ GET /v1/models, GET /health, GET /v1/calibration (the calibration actor's statis
 GET /v1/engine (engine replica state). With serve.api_key set, every route but /health needs
 "Authorization: Bearer <key>".
 """
+# The deployments import torch and the decoding engine inside their constructors: the ingress replica
+# (and `serve run`'s import of this module) never loads them.
 import asyncio
 import hmac
 import json
