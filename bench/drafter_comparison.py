@@ -1,11 +1,18 @@
-"""Equal-budget drafter comparison on the reference target (the drafters issue's experiment).
+"""Equal-budget drafter comparison on the configured target (the built-in reference target by default;
+the drafters issue's experiment).
 
-Every variant trains for the same number of optimizer steps on the same cache, in the same data
-order and with the same anchors (single-process loop, `dspark.train.loop.fit`), then all are
-evaluated together on held-out prompts (`dspark.evaluation`).
+Every variant trains for the same number of optimizer steps on the same cache (built for that
+target), in the same data order and with the same anchors (single-process loop,
+`dspark.train.loop.fit`), then all are evaluated together on held-out prompts (`dspark.evaluation`,
+with the eval.* settings).
 
     python bench/drafter_comparison.py --cache s3://dspark/main/caches/bf16 --steps 600 \\
         --variants eagle3,dflash,dspark,dspark_rnn --out results/comparison
+    python bench/drafter_comparison.py --config configs/smollm2.yaml --cache CACHE --steps 100 \\
+        --variants dflash,dspark --out results/comparison-smollm2
+
+Training settings: the bench's own (TRAIN_DEFAULTS: global batch 16, micro-batch 8, lr 1e-3, 32
+anchors per sequence) over the --config file's; --set overrides both.
 
 Variants: eagle3 (1 layer), dflash (2 layers), dflash5 (5 layers), dspark (2 layers, vanilla Markov),
 dspark_rnn, dspark_gated, and the same names with suffix _g15 (trained and drafted at gamma=15),
@@ -17,13 +24,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
+import torch
+from dspark import evaluation
+from dspark import target as targets
+from dspark.cache.read import iter_local, open_cache
+from dspark.config import add_config_args, config_from_args, run_main
+from dspark.corpus.sources import Corpus
+from dspark.decoding.sampling import SamplingParams
+from dspark.errors import UserError
+from dspark.models import DrafterConfig, build_drafter, count_params, load_drafter, save_drafter
+from dspark.storage import Storage
+from dspark.train.loop import fit
 
-import torch  # noqa: E402
+TRAIN_DEFAULTS = ["train.global_batch=16", "train.micro_batch=8", "train.lr=1e-3", "train.anchors_per_seq=32"]
 
 VARIANTS = {  # name -> (kind, draft layers, markov head)
     "eagle3": ("eagle3", 1, "none"),
@@ -46,19 +62,15 @@ def parse(name: str):
     if base.endswith("_g15"):
         base, gamma = base[:-4], 15
     if base not in VARIANTS:
-        raise SystemExit(f"unknown variant {name!r} (base names: {', '.join(VARIANTS)}; suffixes _g15, _fp8, _code, _kl)")
+        raise UserError(f"unknown variant {name!r} (base names: {', '.join(VARIANTS)}; "
+                        f"suffixes _g15, _fp8, _code, _kl)")
     return (*VARIANTS[base], gamma, fp8, domains)
 
 
 def train_variant(name, tgt, cache, cfg, steps, out_dir, log):
-    from dspark.cache.read import iter_local
-    from dspark.models import DrafterConfig, build_drafter, count_params, save_drafter
-    from dspark.train.loop import fit
-
     kind, layers, markov, gamma, _, domains = parse(name)
-    dc = DrafterConfig.from_target(tgt.config, kind, cache.manifest.layers, tgt.tokenizer.mask_token_id,
-                                   num_layers=layers, gamma=gamma, markov=markov,
-                                   target={"name": "builtin", "weights_sha256": tgt.weights_sha256})
+    dc = DrafterConfig.from_target(tgt.config, kind, cache.manifest.layers, tgt.mask_token_id,
+                                   num_layers=layers, gamma=gamma, markov=markov, target=cache.manifest.target)
     torch.manual_seed(cfg.train.seed)
     drafter = build_drafter(dc, tgt.model)
     tc = cfg.train.model_copy(update={"gamma": gamma, "dist_loss": "kl" if name.endswith("_kl") else "l1"})
@@ -81,36 +93,28 @@ def train_variant(name, tgt, cache, cfg, steps, out_dir, log):
                      "final": hist[-1], "epochs": epoch[0]}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    p = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--cache", required=True)
     p.add_argument("--fp8-cache", default="")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--variants", default="eagle3,dflash,dspark,dspark_rnn")
     p.add_argument("--out", default="results/comparison")
     p.add_argument("--eval-only", action="store_true", help="evaluate drafters already trained into --out")
-    p.add_argument("--gammas", default="", help="static verification lengths to also evaluate _g15 variants at, e.g. 3,7,15")
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    args = p.parse_args()
-
-    from dspark import evaluation
-    from dspark import target as targets
-    from dspark.cache.read import open_cache
-    from dspark.config import load_config
-    from dspark.corpus.sources import Corpus
-    from dspark.models import load_drafter
-    from dspark.storage import Storage
-
-    cfg = load_config(overrides=["train.global_batch=16", "train.micro_batch=8", "train.lr=1e-3",
-                                 "train.anchors_per_seq=32", *args.overrides])
+    p.add_argument("--gammas", default="",
+                   help="static verification lengths to also evaluate _g15 variants at, e.g. 3,7,15")
+    args = p.parse_args(argv)
+    args.overrides = TRAIN_DEFAULTS + args.overrides
+    cfg = config_from_args(args)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tgt = targets.load("builtin")
+    tgt = targets.load_from_config(cfg.target)
     storage = Storage.from_config(cfg.storage)
-    caches = {False: open_cache(args.cache, storage)}
+    same_target = {"target.weights_sha256": tgt.weights_sha256}  # a cache of another target is an error naming it
+    caches = {False: open_cache(args.cache, storage, same_target)}
     if args.fp8_cache:
-        caches[True] = open_cache(args.fp8_cache, storage)
+        caches[True] = open_cache(args.fp8_cache, storage, same_target)
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     info = json.loads((out / "training.json").read_text()) if (out / "training.json").exists() else {}
     drafters = {}
@@ -141,21 +145,19 @@ def main():
 
 def static_lengths(cfg, tgt, drafters: dict, corpus, lengths: list[int]) -> list[dict]:
     """tau when drafting 15 tokens but verifying only the first l (l = 3, 7, 15), T=1."""
-    from dspark import evaluation
-    from dspark.decoding.sampling import SamplingParams
-
     rows = []
     sp = SamplingParams(1.0)
     for dom in ("code", "prose"):
         prompts = evaluation.prompts_for(cfg, corpus, dom, "heldout", cfg.eval.prompts_per_domain, tgt.tokenizer)
         for name, d in drafters.items():
             for ell in lengths:
-                reqs = evaluation.decode(tgt.model, d, prompts, sp, 15, cfg.eval.max_new_tokens, tgt.tokenizer.eos_token_id,
+                reqs = evaluation.decode(tgt.model, d, prompts, sp, 15, cfg.eval.max_new_tokens, tgt.eos_token_ids,
                                          cfg.eval.seed, policy=lambda s, R, g, ell=ell: [ell] * R)
                 r = evaluation.summarize(name, dom, sp, 15, reqs)
                 rows.append({"drafter": name, "domain": dom, "verify_len": ell, "tau": r.tau, "draft_ms": r.draft_ms,
                              "verify_ms": r.verify_ms})
-                print(f"[static] {name} {dom} l={ell}: tau {r.tau:.3f} draft {r.draft_ms:.2f} ms verify {r.verify_ms:.2f} ms")
+                print(f"[static] {name} {dom} l={ell}: tau {r.tau:.3f} draft {r.draft_ms:.2f} ms "
+                      f"verify {r.verify_ms:.2f} ms")
     return rows
 
 
@@ -176,4 +178,4 @@ def ratio_table(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -3,10 +3,13 @@ inf, huge, negative, empty, unicode, wrong types, unknown and unsupported OpenAI
 huge bodies, missing or wrong keys, streaming, and clients that disconnect mid-stream or while queued.
 
     python bench/http_fuzz.py --requests 2000 --concurrency 8 --seed 0
+    python bench/http_fuzz.py --config configs/smollm2.yaml --requests 200 [--set serve.max_batch=2]
 
-It starts the application itself (the built-in target and an untrained DSpark drafter, a small
-serve.max_batch and serve.max_queue so that requests queue), then prints a histogram of outcomes and
-these checks; the exit code is non-zero when one fails:
+It starts the application itself: the configured target (the built-in one by default) and an
+untrained DSpark drafter, with the fuzz's serving settings (app_overrides: a small serve.max_batch
+and serve.max_queue so that requests queue, an API key, quick calibration refits) over the --config
+file's and --set over both. Then it prints a histogram of outcomes and these checks; the exit code
+is non-zero when one fails:
 - no unintended 5xx (a 503 from the engine saying a request cannot fit now is intended; an
   unavailable engine, a 500, a stream cut short without an error event or a timeout are not), and
   no request got past a missing or wrong API key;
@@ -29,47 +32,57 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import ray
+import torch
+from dspark import target as targets
+from dspark.config import ServeConfig, add_config_args, config_from_args, load_config, run_main
+from dspark.decoding.sampling import SamplingParams
+from dspark.decoding.speculative import Request, SpeculativeDecoder
+from dspark.models import DrafterConfig, build_drafter, save_drafter
+from dspark.services import free_port
+from ray import serve
 
-from serving.app import OPEN_PATHS
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from serving.app import OPEN_PATHS, run_local
 
 KEY = "fuzz-key"
+MODEL = ServeConfig().model_name  # the name clients pass as `model` unless serve.model_name says otherwise
 MAX_BATCH, MAX_QUEUE = 4, 8
 GREEDY_PROMPT = "def add(a, b):\n"
 
 
 # -- the application
 
-def start_app(tgt, folder: Path, key: str = KEY, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE) -> str:
+def app_overrides(folder: Path, key: str = KEY, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE) -> list[str]:
+    """The fuzz's serving settings: the drafter that start_app writes into `folder`, a free loopback port,
+    a small batch and queue (requests queue), an API key, calibration refits after few rounds."""
+    return [f"serve.drafter_uri={folder}", f"serve.port={free_port()}", "serve.gamma=4",
+            f"serve.max_batch={max_batch}", f"serve.max_queue={max_queue}", f"serve.api_key={key}",
+            "serve.sps_batches=[1,2,4,8,16]", "ray.num_cpus=2", "serve.calibration_min_rounds=20",
+            "serve.calibration_refit_every=20"]
+
+
+def start_app(tgt, folder: Path, key: str = KEY, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
+              cfg=None) -> str:
     """The real application on a free loopback port, an untrained DSpark drafter (gamma 4) next to the
     target: exactness does not depend on the drafter's quality, and the scheduler sees real confidences.
-    Returns its base URL."""
-    import torch
-
-    from dspark.config import load_config
-    from dspark.models import DrafterConfig, build_drafter, save_drafter
-    from dspark.services import free_port
-    from serving.app import run_local
-
+    `cfg`: the application's configuration (default: the built-in target with app_overrides(folder, key,
+    max_batch, max_queue)); its serve.drafter_uri must be `folder`. Returns its base URL."""
     torch.manual_seed(0)
-    c = DrafterConfig.from_target(tgt.config, "dspark", [1, 2, 3], tgt.tokenizer.mask_token_id, num_layers=1, gamma=4,
+    c = DrafterConfig.from_target(tgt.config, "dspark", [1, 2, 3], tgt.mask_token_id, num_layers=1, gamma=4,
                                   markov_rank=32, target={"weights_sha256": tgt.weights_sha256})
     save_drafter(build_drafter(c, tgt.model), folder)
-    overrides = [f"serve.drafter_uri={folder}", f"serve.port={free_port()}", "serve.gamma=4",
-                 f"serve.max_batch={max_batch}", f"serve.max_queue={max_queue}", f"serve.api_key={key}",
-                 "serve.sps_batches=[1,2,4,8,16]", "ray.num_cpus=2", "serve.calibration_min_rounds=20",
-                 "serve.calibration_refit_every=20"]
-    return run_local(load_config(overrides=overrides))
+    return run_local(cfg or load_config(overrides=app_overrides(folder, key, max_batch, max_queue)))
+
+
+def prompt_ids(tgt, text: str) -> list[int]:
+    """A completion prompt's token ids, as the server encodes them: BOS (when the tokenizer has one) and the text."""
+    bos = [] if tgt.bos_token_id is None else [tgt.bos_token_id]
+    return bos + tgt.tokenizer.encode(text, add_special_tokens=False)
 
 
 def plain_greedy(tgt, ids: list[int], n: int) -> str:
     """Target-only greedy decoding of n tokens: what a greedy request must return, drafter or not."""
-    from dspark.decoding.sampling import SamplingParams
-    from dspark.decoding.speculative import Request, SpeculativeDecoder
-
-    req = Request(ids, SamplingParams(0.0), n, 0, (tgt.tokenizer.eos_token_id,))
+    req = Request(ids, SamplingParams(0.0), n, 0, tgt.eos_token_ids)
     out = SpeculativeDecoder(tgt.model, None).run([req])
     return tgt.tokenizer.decode(out[0].out, skip_special_tokens=True)
 
@@ -90,7 +103,7 @@ def pick(rng: random.Random, good: list, p_bad: float = 0.08):
     return rng.choice(good) if rng.random() > p_bad else rng.choice(NUMBERS + TEXTS[:6])
 
 
-def random_fields(rng: random.Random, chat: bool) -> dict:
+def random_fields(rng: random.Random, chat: bool, model: str = MODEL) -> dict:
     body: dict = {}
     if chat:
         msg = {"role": pick(rng, ["user", "system", "assistant"], 0.1), "content": pick(rng, TEXTS[:6], 0.1)}
@@ -99,7 +112,7 @@ def random_fields(rng: random.Random, chat: bool) -> dict:
         body["prompt"] = pick(rng, TEXTS, 0.1)
     options = {"max_tokens": [1, 4, 16, 32], "temperature": [0, 0.7, 1.0, 2.0, 1e-40, 1e-6],
                "top_p": [1.0, 0.9, 0.5, 1e-9], "top_k": [0, 1, 5, 50, 10 ** 9], "seed": [0, 1, 42, 2 ** 63 - 1],
-               "stop": ["\n", ["\n\n", "def"], [""], "x"], "model": ["dspark-builtin"] * 4 + ["gpt-4"],
+               "stop": ["\n", ["\n\n", "def"], [""], "x"], "model": [model] * 4 + ["gpt-4"],
                "max_completion_tokens": [8], "user": ["u-1"], "metadata": [{"a": "b"}]}
     for name, good in options.items():
         if rng.random() < 0.4:
@@ -122,7 +135,7 @@ class Case:
     key_ok: bool = True
 
 
-def random_case(rng: random.Random, key: str = KEY) -> Case:
+def random_case(rng: random.Random, key: str = KEY, model: str = MODEL) -> Case:
     """One random request; `rng` alone decides it (reproducible per --seed and index)."""
     case = Case(headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     if rng.random() < 0.05:
@@ -147,7 +160,7 @@ def random_case(rng: random.Random, key: str = KEY) -> Case:
         case.headers["Content-Type"] = rng.choice(["text/plain", "application/x-www-form-urlencoded", ""])
         case.content = json.dumps({"prompt": "x"}).encode()
     else:
-        body = random_fields(rng, chat)
+        body = random_fields(rng, chat, model)
         body["stream"] = rng.random() < 0.3 if rng.random() < 0.95 else rng.choice(["yes", 1, None, "x"])
         case.content = json.dumps(body).encode()  # NaN and Infinity as Python writes them
         drop = rng.random()
@@ -216,7 +229,8 @@ def unintended(outcome: str, case: Case) -> bool:
         "non-JSON" in outcome or "server_error" in outcome or outcome.startswith("transport")
 
 
-async def fuzz(url: str, key: str, requests: int, concurrency: int, seed: int, seconds: float) -> tuple[Counter, list]:
+async def fuzz(url: str, key: str, requests: int, concurrency: int, seed: int, seconds: float,
+               model: str = MODEL) -> tuple[Counter, list]:
     """`requests` random requests, `concurrency` at a time; none is started after `seconds`.
     Returns the outcome histogram and the unintended outcomes as (index, outcome, case)."""
     hist: Counter = Counter()
@@ -230,7 +244,7 @@ async def fuzz(url: str, key: str, requests: int, concurrency: int, seed: int, s
                 hist["not sent"] += 1
                 continue
             rng = random.Random(seed * 1_000_003 + i)
-            case = random_case(rng, key)
+            case = random_case(rng, key, model)
             outcome = await send(client, url, case, rng)
             hist[outcome] += 1
             if unintended(outcome, case):
@@ -262,14 +276,16 @@ def greedy_matches(url: str, tgt, key: str, n: int = 24) -> bool:
                        json={"prompt": GREEDY_PROMPT, "max_tokens": n, "temperature": 0})
     except httpx.TimeoutException:
         return False
-    ids = [tgt.tokenizer.bos_token_id] + tgt.tokenizer.encode(GREEDY_PROMPT, add_special_tokens=False)
-    return r.status_code == 200 and r.json()["choices"][0]["text"] == plain_greedy(tgt, ids, n)
+    expected = plain_greedy(tgt, prompt_ids(tgt, GREEDY_PROMPT), n)
+    return r.status_code == 200 and r.json()["choices"][0]["text"] == expected
 
 
-def run_checks(url: str, tgt, key: str, requests: int, concurrency: int, seed: int, seconds: float) -> dict[str, bool]:
-    """The fuzz run and the checks after it; prints the histogram and each check."""
+def run_checks(url: str, tgt, key: str, requests: int, concurrency: int, seed: int, seconds: float,
+               model: str = MODEL) -> dict[str, bool]:
+    """The fuzz run and the checks after it (`model`: the served model name); prints the histogram and
+    each check."""
     t0 = time.monotonic()
-    hist, bad = asyncio.run(fuzz(url, key, requests, concurrency, seed, seconds))
+    hist, bad = asyncio.run(fuzz(url, key, requests, concurrency, seed, seconds, model))
     print(f"{sum(hist.values())} requests at concurrency {concurrency} in {time.monotonic() - t0:.0f}s; outcomes:")
     for outcome, n in sorted(hist.items(), key=lambda kv: -kv[1]):
         print(f"  {n:6d}  {outcome}")
@@ -285,22 +301,20 @@ def run_checks(url: str, tgt, key: str, requests: int, concurrency: int, seed: i
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seconds", type=float, default=1800, help="no new request after this long")
     args = p.parse_args(argv)
-    import ray
-    from ray import serve
-
-    from dspark import target as targets
-
-    tgt = targets.load("builtin")
     with tempfile.TemporaryDirectory(prefix="fuzz-drafter-") as folder:
-        url = start_app(tgt, Path(folder))
+        args.overrides = app_overrides(Path(folder)) + args.overrides
+        cfg = config_from_args(args)
+        tgt = targets.load_from_config(cfg.target)
+        url = start_app(tgt, Path(folder), cfg=cfg)
         try:
-            checks = run_checks(url, tgt, KEY, args.requests, args.concurrency, args.seed, args.seconds)
+            checks = run_checks(url, tgt, cfg.serve.api_key, args.requests, args.concurrency, args.seed, args.seconds,
+                                cfg.serve.model_name)
         finally:
             serve.shutdown()
             ray.shutdown()
@@ -308,4 +322,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(lambda argv: sys.exit(main(argv)))  # the exit code says whether every check passed

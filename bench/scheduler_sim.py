@@ -2,15 +2,19 @@
 concurrent requests through every verification policy with an SPS(B) table.
 
     python bench/scheduler_sim.py --drafter results/comparison/dspark [--sps results/sps.json]
+    python bench/scheduler_sim.py --config configs/smollm2.yaml --drafter DRAFTER --gamma 4 [--prompts 8]
 
-1. Trace: speculative decoding of held-out code and prose prompts (T=1, every draft verified) with
-   the drafter's calibrated confidences; per round the prefix survival a_1..a_gamma and how many
-   drafts the target accepted (n). Verifying only l drafts of such a round accepts min(n, l) and
-   emits one more token (the acceptance process is sequential, so truncation is exact).
+1. Trace: speculative decoding of the built-in corpus's held-out code and prose prompts on the
+   configured target (the built-in one by default; the drafter must have been trained for it; T=1,
+   every draft verified) with the drafter's calibrated confidences; per round the prefix survival
+   a_1..a_gamma and how many drafts the target accepted (n). Verifying only l drafts of such a round
+   accepts min(n, l) and emits one more token (the acceptance process is sequential, so truncation
+   is exact).
 2. Replay: R request slots, each drawing rounds from the trace; per step every policy chooses l_r,
    the step takes 1 / SPS(sum(1 + l_r)) seconds and yields sum(min(n_r, l_r) + 1) tokens. The async
    variant sizes its capacity from the survival of two steps earlier.
-3. Tables: the SPS table measured on this machine (or --sps), and synthetic smooth / cliff tables.
+3. Tables: the SPS table of the configured target measured on this machine (or --sps), and
+   synthetic smooth / cliff tables. The target is loaded only to record a trace or to measure SPS.
 Prints accepted tokens/s, mean verification budget per request and verified-token waste for
 R = 1, 2, 4, ..., 256 and every policy, and writes a PNG of throughput and budget vs R.
 """
@@ -18,28 +22,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
+import numpy as np
+from dspark import evaluation, plots
+from dspark import target as targets
+from dspark.calibration import sts
+from dspark.config import add_config_args, config_from_args, run_main
+from dspark.corpus.sources import Corpus
+from dspark.decoding.profile import profile
+from dspark.decoding.sampling import SamplingParams
+from dspark.models import load_drafter
+from dspark.scheduling import policies
+from dspark.scheduling.sps import SPSTable
 
-import numpy as np  # noqa: E402
 
-from dspark.scheduling import policies  # noqa: E402
-from dspark.scheduling.sps import SPSTable  # noqa: E402
-
-
-def record(drafter_path: str, prompts_per_domain: int, max_new: int, gamma: int) -> dict:
-    from dspark import evaluation
-    from dspark import target as targets
-    from dspark.calibration import sts
-    from dspark.config import load_config
-    from dspark.corpus.sources import Corpus
-    from dspark.decoding.sampling import SamplingParams
-    from dspark.models import load_drafter
-
-    cfg = load_config()
-    tgt = targets.load("builtin")
+def record(cfg, tgt, drafter_path: str, prompts_per_domain: int, max_new: int, gamma: int) -> dict:
     drafter = load_drafter(drafter_path, tgt.model, tgt.weights_sha256)
     cal = sts.load(drafter_path)
     corpus = Corpus.load(cfg.corpus)
@@ -47,7 +45,7 @@ def record(drafter_path: str, prompts_per_domain: int, max_new: int, gamma: int)
     for dom in ("code", "prose"):
         prompts = evaluation.prompts_for(cfg, corpus, dom, "heldout", prompts_per_domain, tgt.tokenizer)
         reqs = evaluation.decode(tgt.model, drafter, prompts, SamplingParams(1.0), gamma, max_new,
-                                 tgt.tokenizer.eos_token_id, seed=0, calibration=cal)
+                                 tgt.eos_token_ids, seed=0, calibration=cal)
         rounds = [r for q in reqs for r in q.rounds if r.survival is not None]
         out[dom] = {"survival": [r.survival for r in rounds], "accepted": [r.accepted for r in rounds]}
     out["calibration"] = cal.to_dict() if cal else None
@@ -76,37 +74,37 @@ def replay(trace: dict, R: int, sps: SPSTable, policy: str, steps: int, seed: in
             "waste": wasted / verified if verified else 0.0, "tokens_per_step": tokens / steps}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    p = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--drafter", default="results/comparison/dspark")
     p.add_argument("--trace", default="", help="a trace JSON saved by an earlier run (skips recording)")
-    p.add_argument("--sps", default="", help="measured SPS table JSON (default: profile the built-in target now)")
+    p.add_argument("--sps", default="", help="measured SPS table JSON (default: profile the configured target now)")
     p.add_argument("--out", default="results/scheduler_sim")
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--max-new", type=int, default=96)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--gamma", type=int, default=7)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    cfg = config_from_args(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    tgt = None if args.trace and args.sps else targets.load_from_config(cfg.target)
     if args.trace:
         trace = json.loads(Path(args.trace).read_text())
     else:
-        trace = record(args.drafter, args.prompts, args.max_new, args.gamma)
+        trace = record(cfg, tgt, args.drafter, args.prompts, args.max_new, args.gamma)
         (out / "trace.json").write_text(json.dumps(trace))
     if args.sps:
         measured = SPSTable.load(args.sps)
     else:
-        from dspark import target as targets
-        from dspark.decoding.profile import profile
-
-        measured = profile(targets.load("builtin").model, [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], repeats=5)
+        measured = profile(tgt.model, [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], repeats=5)
         measured.save(out / "sps_measured.json")
     tables = {"measured": measured, "smooth": SPSTable.synthetic("smooth"), "cliff": SPSTable.synthetic("cliff")}
     pooled = {"survival": trace["code"]["survival"] + trace["prose"]["survival"],
               "accepted": trace["code"]["accepted"] + trace["prose"]["accepted"]}
     Rs = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    names = ["none"] + [f"static{l}" for l in range(1, args.gamma + 1)] + ["threshold0.3", "threshold0.5", "greedy", "async"]
+    names = (["none"] + [f"static{ell}" for ell in range(1, args.gamma + 1)]
+             + ["threshold0.3", "threshold0.5", "greedy", "async"])
     results: dict = {}
     print(f"scheduler_sim: {len(pooled['accepted'])} recorded rounds (code {len(trace['code']['accepted'])}, prose "
           f"{len(trace['prose']['accepted'])}), gamma {args.gamma}, {args.steps} steps per point, accepted tokens/s = "
@@ -130,8 +128,9 @@ def main():
             best = max((n for n in names if n.startswith("static")), key=lambda n: row[n]["throughput"])
             results[tname][R] = {**row, "best_static": best}
             th = {k: v["throughput"] for k, v in row.items()}
-            print(f"| {R} | {th['none']:.1f} | {th[best]:.1f} ({best}) | {th['threshold0.5']:.1f} | {th['greedy']:.1f} | "
-                  f"{th['async']:.1f} | {th['greedy'] / th[best]:.3f} | {th['async'] / th[best]:.3f} | "
+            print(f"| {R} | {th['none']:.1f} | {th[best]:.1f} ({best}) | {th['threshold0.5']:.1f} | "
+                  f"{th['greedy']:.1f} | {th['async']:.1f} | {th['greedy'] / th[best]:.3f} | "
+                  f"{th['async'] / th[best]:.3f} | "
                   f"{row['greedy']['budget']:.2f} | {row['async']['budget']:.2f} | {row['greedy']['waste']:.2f} |")
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, Rs, out / "scheduler_sim.png")
@@ -139,14 +138,13 @@ def main():
 
 
 def plot(results: dict, Rs: list[int], path: Path) -> None:
-    from dspark import plots
-
     fig, axes = plots.figure(2, len(results), (5 * len(results), 7))
     for col, (tname, res) in enumerate(results.items()):
         for name, style in (("none", "k:"), ("greedy", "b-o"), ("async", "g-s"), ("threshold0.5", "m--")):
             axes[0][col].plot(Rs, [res[R][name]["throughput"] for R in Rs], style, label=name, ms=3)
             axes[1][col].plot(Rs, [res[R][name]["budget"] for R in Rs], style, label=name, ms=3)
-        axes[0][col].plot(Rs, [res[R][res[R]["best_static"]]["throughput"] for R in Rs], "r-^", label="best static", ms=3)
+        best = [res[R][res[R]["best_static"]]["throughput"] for R in Rs]
+        axes[0][col].plot(Rs, best, "r-^", label="best static", ms=3)
         axes[0][col].set_title(f"SPS: {tname}")
         for ax, lab in ((axes[0][col], "accepted tokens / s"), (axes[1][col], "verification budget / request")):
             ax.set_xscale("log", base=2)
@@ -156,4 +154,4 @@ def plot(results: dict, Rs: list[int], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

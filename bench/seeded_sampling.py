@@ -39,8 +39,8 @@ def main(argv=None):
         prompts = evaluation.prompts_for(cfg, corpus, domain, "heldout", args.prompts, tgt.tokenizer)
         for name, reproducible in (("rejection", False), ("seeded (Gumbel-max)", True)):
             dec = SpeculativeDecoder(tgt.model, drafter, gamma=gamma, max_slots=1)
-            reqs = dec.run([Request(q, SamplingParams(1.0), args.max_new, i, tgt.eos_token_ids, reproducible=reproducible)
-                            for i, q in enumerate(prompts)])
+            reqs = dec.run([Request(q, SamplingParams(1.0), args.max_new, i, tgt.eos_token_ids,
+                                    reproducible=reproducible) for i, q in enumerate(prompts)])
             cond, _ = evaluation.acceptance(reqs, gamma)
             rounds = sum(len(r.rounds) for r in reqs)
             tau = sum(x.accepted + 1 for r in reqs for x in r.rounds) / rounds

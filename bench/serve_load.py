@@ -4,10 +4,14 @@ target-only decoding, a static gamma, and DSpark with the adaptive (Algorithm 1)
 without skipping the drafter after rounds that verified nothing (serve.idle_probe_rounds).
 
     python bench/serve_load.py --drafter results/comparison/dspark [--concurrency 1,2,4,8,16,32]
+    python bench/serve_load.py --config configs/smollm2.yaml --drafter DRAFTER --concurrency 1,2,4
 
-Each user sends held-out prompts one after another (T=1, max_tokens 64) for --seconds or
---requests per user, whichever ends first. Writes a table and a throughput vs per-user speed PNG
-(the paper's Fig. 7 shape).
+Serves the configured target (the built-in one by default; the drafter must have been trained for
+it) on 127.0.0.1 with the bench's settings per mode (drafter, port, serve.max_batch = the largest
+concurrency, no online calibration, the mode's policy) over the --config file's; --set goes over
+both. Each user sends the built-in corpus's held-out code and prose prompts, as plain text, one after
+another (T=1, max_tokens 64) for --seconds or --requests per user, whichever ends first. Writes a
+table and a throughput vs per-user speed PNG (the paper's Fig. 7 shape).
 """
 from __future__ import annotations
 
@@ -15,20 +19,27 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import httpx
+from dspark import plots
+from dspark.config import add_config_args, config_from_args, load_config, run_main
+from dspark.corpus.conversations import spread
+from dspark.corpus.examples import split_examples
+from dspark.corpus.sources import Corpus
+from dspark.services import free_port
+from ray import serve
+
+from serving.app import run_local
 
 
 async def user(client, url, prompts, deadline, max_requests, max_tokens, out):
     i = 0
     while time.perf_counter() < deadline and i < max_requests:
         t0 = time.perf_counter()
-        r = await client.post(url + "/v1/completions", json={"prompt": prompts[i % len(prompts)], "max_tokens": max_tokens,
-                                                              "temperature": 1.0, "seed": i})
+        r = await client.post(url + "/v1/completions", json={"prompt": prompts[i % len(prompts)],
+                                                              "max_tokens": max_tokens, "temperature": 1.0, "seed": i})
         dt = time.perf_counter() - t0
         if r.status_code == 200:
             body = r.json()
@@ -37,13 +48,11 @@ async def user(client, url, prompts, deadline, max_requests, max_tokens, out):
 
 
 async def load(url, prompts, users, seconds, max_requests, max_tokens):
-    import httpx
-
     out: list = []
     async with httpx.AsyncClient(timeout=600) as client:
         t0 = time.perf_counter()
-        await asyncio.gather(*(user(client, url, prompts[u::users] or prompts, t0 + seconds, max_requests, max_tokens, out)
-                               for u in range(users)))
+        await asyncio.gather(*(user(client, url, prompts[u::users] or prompts, t0 + seconds, max_requests, max_tokens,
+                                    out) for u in range(users)))
         wall = time.perf_counter() - t0
     lat = sorted(x[0] for x in out)
     return {"requests": len(out), "tok_s": sum(x[1] for x in out) / wall,
@@ -52,29 +61,19 @@ async def load(url, prompts, users, seconds, max_requests, max_tokens):
             "budget": statistics.mean(x[2] for x in out)}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    p = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--drafter", default="results/comparison/dspark")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--seconds", type=float, default=20)
     p.add_argument("--requests", type=int, default=8, help="per user, per point")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", default="results/serve_load")
-    args = p.parse_args()
-    from ray import serve
-
-    from dspark import evaluation
-    from dspark import target as targets
-    from dspark.config import load_config
-    from dspark.corpus.sources import Corpus
-    from dspark.services import free_port
-    from serving.app import run_local
-
-    cfg = load_config()
-    tok = targets.load("builtin").tokenizer
+    args = p.parse_args(argv)
+    cfg = config_from_args(args)
     corpus = Corpus.load(cfg.corpus)
-    prompts = [tok.decode(ids[2:-1]) for d in ("code", "prose")
-               for ids in evaluation.prompts_for(cfg, corpus, d, "heldout", 32, tok)]
+    prompts = [e.prompt for d in ("code", "prose")
+               for e in spread(split_examples(corpus, d, "heldout", cfg.corpus), 32)]
     conc = [int(c) for c in args.concurrency.split(",")]
     modes = {"target-only": ["serve.policy=none"], "static gamma=4": ["serve.policy=static", "serve.static_len=4"],
              "dspark adaptive": ["serve.policy=greedy"],
@@ -86,28 +85,28 @@ def main():
     for mode, extra in modes.items():
         ov = [f"serve.drafter_uri={args.drafter}", f"serve.port={port}", f"serve.max_batch={max(conc)}",
               f"serve.max_queue={2 * max(conc)}", "serve.calibration=false", "ray.num_cpus=2", *extra]
-        url = run_local(load_config(overrides=ov))
+        url = run_local(load_config(args.config, [*ov, *args.overrides]))  # the user's --set over the mode's
         asyncio.run(load(url, prompts, 1, 5, 2, 16))  # warm-up
         results[mode] = {}
         for c in conc:
             results[mode][c] = asyncio.run(load(url, prompts, c, args.seconds, args.requests, args.max_tokens))
             r = results[mode][c]
             print(f"{mode:38s} C={c:3d}: {r['tok_s']:7.1f} tok/s total, {r['per_user_tok_s']:6.1f} tok/s per user, "
-                  f"p50 {r['p50']:.2f}s p99 {r['p99']:.2f}s, budget {r['budget']:.2f} ({r['requests']} requests)", flush=True)
+                  f"p50 {r['p50']:.2f}s p99 {r['p99']:.2f}s, budget {r['budget']:.2f} ({r['requests']} requests)",
+                  flush=True)
         serve.delete("dspark")
     serve.shutdown()
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     print("\n| mode | C | tok/s | tok/s per user | p50 s | p99 s | mean budget |\n|---|---|---|---|---|---|---|")
     for mode, rows in results.items():
         for c, r in rows.items():
-            print(f"| {mode} | {c} | {r['tok_s']:.1f} | {r['per_user_tok_s']:.1f} | {r['p50']:.2f} | {r['p99']:.2f} | {r['budget']:.2f} |")
+            print(f"| {mode} | {c} | {r['tok_s']:.1f} | {r['per_user_tok_s']:.1f} | {r['p50']:.2f} | {r['p99']:.2f} | "
+                  f"{r['budget']:.2f} |")
     plot(results, out / "serve_load.png")
     print(f"\n[load] {out}/results.json, {out}/serve_load.png; loopback HTTP, T=1, max_tokens {args.max_tokens}")
 
 
 def plot(results, path):
-    from dspark import plots
-
     fig, axes = plots.figure(size=(6, 4.5))
     ax = axes[0][0]
     for mode, rows in results.items():
@@ -123,4 +122,4 @@ def plot(results, path):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -43,7 +43,8 @@ def first_turns(cfg, tgt, n: int) -> list[list[int]]:
     (the built-in corpus's held-out prompts when no set is named)."""
     if not cfg.eval.prompt_sets:
         corpus = Corpus.load(cfg.corpus)
-        return [q for d in ("code", "prose") for q in evaluation.prompts_for(cfg, corpus, d, "heldout", n, tgt.tokenizer)]
+        return [q for d in ("code", "prose")
+                for q in evaluation.prompts_for(cfg, corpus, d, "heldout", n, tgt.tokenizer)]
     storage = Storage.from_config(cfg.storage)
     convs = [c for uri in cfg.eval.prompt_sets.values() for c in load_jsonl(uri, storage).conversations]
     return [chat_ids(tgt.tokenizer, c.messages([]), chat_template_kwargs=cfg.target.chat_template_kwargs)
