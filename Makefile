@@ -23,6 +23,8 @@ demo: install
 	$(PY) jobs/quickstart.py
 
 test: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: install

@@ -153,11 +153,15 @@ def _snapshot(repo_id: str, revision: str | None) -> str:
         raise UserError(f"target {repo_id}{at} could not be fetched: {str(e).splitlines()[0]}") from None
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def _hash_into(h, path: Path) -> None:
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    _hash_into(h, path)
     return h.hexdigest()
 
 
@@ -171,9 +175,7 @@ def weights_hash(path: str) -> str:
     if not files:
         h.update(path.encode())
     for f in files:
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
+        _hash_into(h, f)
     return h.hexdigest()
 
 
