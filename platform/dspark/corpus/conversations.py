@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+from itertools import chain, islice
 from dataclasses import dataclass, field
 
 from dspark.errors import UserError
@@ -154,12 +155,15 @@ def spread(items: list, n: int) -> list:
 def builtin_conversations(corpus, split: str, cfg, n: int = 0) -> list[Conversation]:
     """One-turn conversations of the built-in corpus's split, its domains interleaved, at most n (0 = all).
     `cfg` is a dspark.config.CorpusConfig."""
-    from dspark.corpus.examples import split_examples
+    from dspark.corpus.examples import iter_examples, split_examples
     from dspark.corpus.sources import DOMAINS
 
-    by_dom = [split_examples(corpus, d, split, cfg) for d in DOMAINS]
-    examples = [ex for group in zip(*by_dom) for ex in group] if n else [ex for group in by_dom for ex in group]
-    return [Conversation(ex.example_id, ex.domain, (ex.prompt,)) for ex in examples[: n or None]]
+    if n:  # interleaved, and only the documents the first n examples come from are parsed
+        by_dom = [iter_examples(corpus, d, split, cfg) for d in DOMAINS]
+        examples = list(islice(chain.from_iterable(zip(*by_dom)), n))
+    else:
+        examples = [ex for d in DOMAINS for ex in split_examples(corpus, d, split, cfg)]
+    return [Conversation(ex.example_id, ex.domain, (ex.prompt,)) for ex in examples]
 
 
 def cache_sources(cfg, storage, log_fn=print) -> tuple[list[Conversation], str]:
