@@ -173,6 +173,8 @@ def cache_sources(cfg, storage, log_fn=print) -> tuple[list[Conversation], str]:
     from dspark.corpus.sources import Corpus
 
     cc = cfg.cache
+    # the user's files first: a bad record is named before the built-in corpus is read (seconds)
+    files = {src: load_jsonl(src, storage, cc.skip_bad_records) for src in cc.sources if src != "builtin"}
     convs, hashes = [], []
     for src in cc.sources:
         if src == "builtin":
@@ -180,7 +182,7 @@ def cache_sources(cfg, storage, log_fn=print) -> tuple[list[Conversation], str]:
             convs += builtin_conversations(corpus, "train", cfg.corpus, cc.max_examples)
             hashes.append(corpus.manifest()["sha256"])
             continue
-        loaded = load_jsonl(src, storage, cc.skip_bad_records)
+        loaded = files[src]
         if loaded.skipped:
             log_fn(f"[cache] {src}: skipped {len(loaded.skipped)} bad records ({'; '.join(loaded.skipped[:3])})")
         convs += spread(loaded.conversations, cc.max_examples)
