@@ -15,8 +15,9 @@ import hashlib
 import json
 import posixpath
 from dataclasses import dataclass, field
+from itertools import chain, islice
 
-from dspark.corpus.examples import split_examples
+from dspark.corpus.examples import iter_examples, split_examples
 from dspark.corpus.sources import DOMAINS, Corpus
 from dspark.errors import UserError
 
@@ -156,9 +157,12 @@ def spread(items: list, n: int) -> list:
 def builtin_conversations(corpus, split: str, cfg, n: int = 0) -> list[Conversation]:
     """One-turn conversations of the built-in corpus's split, its domains interleaved, at most n (0 = all).
     `cfg` is a dspark.config.CorpusConfig."""
-    by_dom = [split_examples(corpus, d, split, cfg) for d in DOMAINS]
-    examples = [ex for group in zip(*by_dom) for ex in group] if n else [ex for group in by_dom for ex in group]
-    return [Conversation(ex.example_id, ex.domain, (ex.prompt,)) for ex in examples[: n or None]]
+    if n:  # interleaved, and only the documents the first n examples come from are parsed
+        by_dom = [iter_examples(corpus, d, split, cfg) for d in DOMAINS]
+        examples = list(islice(chain.from_iterable(zip(*by_dom)), n))
+    else:
+        examples = [ex for d in DOMAINS for ex in split_examples(corpus, d, split, cfg)]
+    return [Conversation(ex.example_id, ex.domain, (ex.prompt,)) for ex in examples]
 
 
 def cache_sources(cfg, storage, log_fn=print) -> tuple[list[Conversation], str]:
@@ -166,6 +170,8 @@ def cache_sources(cfg, storage, log_fn=print) -> tuple[list[Conversation], str]:
     URIs), at most `cache.max_examples` from each, and one sha256 identifying them all.
     `cfg` is a dspark.config.Config."""
     cc = cfg.cache
+    # the user's files first: a bad record is named before the built-in corpus is read (seconds)
+    files = {src: load_jsonl(src, storage, cc.skip_bad_records) for src in cc.sources if src != "builtin"}
     convs, hashes = [], []
     for src in cc.sources:
         if src == "builtin":
@@ -173,7 +179,7 @@ def cache_sources(cfg, storage, log_fn=print) -> tuple[list[Conversation], str]:
             convs += builtin_conversations(corpus, "train", cfg.corpus, cc.max_examples)
             hashes.append(corpus.manifest()["sha256"])
             continue
-        loaded = load_jsonl(src, storage, cc.skip_bad_records)
+        loaded = files[src]
         if loaded.skipped:
             log_fn(f"[cache] {src}: skipped {len(loaded.skipped)} bad records ({'; '.join(loaded.skipped[:3])})")
         convs += spread(loaded.conversations, cc.max_examples)

@@ -81,5 +81,12 @@ def examples(doc: Document, cfg) -> Iterator[Example]:
     return prose_examples(doc, cfg.max_response_chars)
 
 
+def iter_examples(corpus, domain: Domain, split, cfg) -> Iterator[Example]:
+    """The examples of one domain's split, in document order, made only as far as they are consumed
+    (parsing every source file of the code domain takes a minute)."""
+    for doc in corpus.split(domain, split):
+        yield from examples(doc, cfg)
+
+
 def split_examples(corpus, domain: Domain, split, cfg) -> list[Example]:
-    return [ex for doc in corpus.split(domain, split) for ex in examples(doc, cfg)]
+    return list(iter_examples(corpus, domain, split, cfg))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import os
 import re
 import sysconfig
 from dataclasses import dataclass
@@ -55,12 +56,26 @@ def _resolve_root(root: str) -> Path:
     return path
 
 
+SKIPPED_DIRS = ("site-packages", "__pycache__")  # installed packages are not the standard library
+
+
+def _python_files(base: Path) -> list[Path]:
+    """The *.py files under base, sorted, as base.rglob("*.py") finds them (symlinked folders are not
+    entered), without walking the skipped folders: a venv's or interpreter's site-packages can hold
+    ten times more files than the standard library."""
+    found = []
+    for folder, dirs, files in os.walk(base):
+        dirs[:] = [d for d in dirs if not any(s in d for s in SKIPPED_DIRS)]
+        found += [Path(folder, f) for f in files if f.endswith(".py")]
+    return sorted(found)
+
+
 def code_documents(roots: list[str]) -> Iterator[Document]:
     for root in roots:
         base = _resolve_root(root)
-        for path in sorted(base.rglob("*.py")):
+        for path in _python_files(base):
             rel = path.relative_to(base).as_posix()
-            if "site-packages" in rel or "__pycache__" in rel or path.stat().st_size > MAX_DOC_BYTES:
+            if any(s in rel for s in SKIPPED_DIRS) or path.stat().st_size > MAX_DOC_BYTES:
                 continue
             try:
                 text = path.read_text(encoding="utf-8")
