@@ -55,7 +55,8 @@ def main(argv=None):
         evaluation.save_calibrations(res, paths)
         evaluation.log_results(tracker, res, out)
     sys.stdout.write((out / "results.md").read_text())
-    print(f"[eval] results in {out} (results.json, results.md, conditional acceptance, reliability and threshold-sweep PNGs)")
+    print(f"[eval] results in {out} (results.json, results.md, conditional acceptance, reliability and "
+          "threshold-sweep PNGs)")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ def stage_target(cfg: Config, storage, tracker) -> dict:
     card = targets.card(tgt.path)
     n_params = sum(p.numel() for p in tgt.model.parameters())
     print(f"[target] {tgt.path}: {type(tgt.model).__name__}, {n_params / 1e6:.2f} M parameters, "
-          f"{tgt.config.num_hidden_layers} layers, vocab {tgt.config.vocab_size} (loaded in {time.perf_counter() - t0:.1f}s)")
+          f"{tgt.config.num_hidden_layers} layers, vocab {tgt.config.vocab_size} "
+          f"(loaded in {time.perf_counter() - t0:.1f}s)")
     corpus = Corpus.load(cfg.corpus)
     report = {"target": tgt.path, "parameters": n_params, "heldout": {}}
     for domain in DOMAINS:

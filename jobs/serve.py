@@ -35,8 +35,8 @@ def main(argv=None):
     local = cluster_address(cfg) is None
     try:
         url = run_local(cfg)
-        print(f"[serve] {cfg.serve.model_name} on {url} (policy {cfg.serve.policy}, drafter {cfg.serve.drafter_uri or 'none'});"
-              " Ctrl-C stops it")
+        print(f"[serve] {cfg.serve.model_name} on {url} (policy {cfg.serve.policy}, "
+              f"drafter {cfg.serve.drafter_uri or 'none'}); Ctrl-C stops it")
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

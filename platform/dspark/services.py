@@ -215,7 +215,8 @@ class Service:
         elif process_started(st.pid) is None:
             done = f"not running (pid {st.pid} has exited)"
         elif not st.started:
-            done = f"pid {st.pid} left alone: the state file has no start time to identify it (stop it yourself if it is {self.name})"
+            done = (f"pid {st.pid} left alone: the state file has no start time to identify it "
+                    f"(stop it yourself if it is {self.name})")
         else:
             done = f"not running (pid {st.pid} now belongs to another process: left alone)"
         self.state_file.unlink(missing_ok=True)

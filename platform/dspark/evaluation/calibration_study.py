@@ -47,7 +47,8 @@ def calibration_study(cfg, target, drafter, corpus, log=print) -> dict:
     out = {"calibration": shipped.to_dict(), "fitted": {k: v.to_dict() for k, v in fitted.items()},
            "fit_rounds": len(fit_obs.logits), "domains": {}, "obs": {}}
     log(f"[eval] calibration from {len(fit_obs.logits)} validation rounds: temperatures "
-        f"{[round(t, 2) for t in shipped.temps]}, offsets {[round(b, 2) for b in shipped.biases]} ({time.perf_counter() - t0:.0f}s)")
+        f"{[round(t, 2) for t in shipped.temps]}, offsets {[round(b, 2) for b in shipped.biases]} "
+        f"({time.perf_counter() - t0:.0f}s)")
     for domain in ("code", "prose"):
         ps = prompts(domain, "heldout")
         half_a, half_b = rounds(ps[0::2], 20_000), rounds(ps[1::2], 30_000)
