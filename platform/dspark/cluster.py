@@ -40,8 +40,8 @@ def init_ray(cfg) -> None:
     kwargs: dict = {"runtime_env": runtime_env(), "ignore_reinit_error": True}
     if address:
         ray.init(address=address, **kwargs)
-    else:
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, **kwargs)
+    else:  # "local": a new Ray, even when `ray start` has recorded another one on this machine (ray.init() joins it)
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False, **kwargs)
 
 
 def quiet_ray_data() -> None:
