@@ -132,6 +132,9 @@ def train_loop_per_worker(config: dict) -> None:
         with ckpt.as_directory() as d:
             engine.load_checkpoint(d, tag="ckpt")
             state = json.loads((Path(d) / CLIENT_STATE).read_text())
+        if rank == 0:
+            print(f"[train] resumed from the checkpoint of step {state['step']} (epoch {state['epoch']}, "
+                  f"micro-batch {state['micro_in_epoch']})", flush=True)
     tracker = _RankZeroTracker(cfg, config["mlflow_run_id"]) if rank == 0 else None
     if tracker and state["step"] == 0:
         tracker.log_params(cfg.flat(), {"world_size": world, "total_steps": total, "cache.rows": manifest.rows})
