@@ -11,6 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from dspark.services import BUCKET  # noqa: E402
+
 torch.set_num_threads(1)
 
 
@@ -89,7 +91,7 @@ def ray_driver(ray_head):
 
 
 # A small cache of the built-in corpus: 16 conversations in 4 shards (the overrides that build it)
-SMALL_CACHE = ["storage.root=s3://dspark/it", "cache.name=small", "cache.max_examples=16", "cache.shard_rows=4",
+SMALL_CACHE = [f"storage.root=s3://{BUCKET}/it", "cache.name=small", "cache.max_examples=16", "cache.shard_rows=4",
                "cache.max_new_tokens=16", "cache.batch_size=4"]
 
 
