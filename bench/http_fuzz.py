@@ -42,10 +42,12 @@ GREEDY_PROMPT = "def add(a, b):\n"
 
 # -- the application
 
-def start_app(tgt, folder: Path, key: str = KEY, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE) -> str:
+def start_app(tgt, folder: Path, key: str = KEY, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
+              max_tokens_default: int | None = None) -> str:
     """The real application on a free loopback port, an untrained DSpark drafter (gamma 4) next to the
     target: exactness does not depend on the drafter's quality, and the scheduler sees real confidences.
-    Returns its base URL."""
+    `max_tokens_default` (serve.max_tokens_default; None: the configured default) bounds the answers
+    of requests that name no max_tokens. Returns its base URL."""
     import torch
 
     from dspark.config import load_config
@@ -61,6 +63,8 @@ def start_app(tgt, folder: Path, key: str = KEY, max_batch: int = MAX_BATCH, max
                  f"serve.max_batch={max_batch}", f"serve.max_queue={max_queue}", f"serve.api_key={key}",
                  "serve.sps_batches=[1,2,4,8,16]", "ray.num_cpus=2", "serve.calibration_min_rounds=20",
                  "serve.calibration_refit_every=20"]
+    if max_tokens_default is not None:
+        overrides.append(f"serve.max_tokens_default={max_tokens_default}")
     return run_local(load_config(overrides=overrides))
 
 

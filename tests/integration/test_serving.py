@@ -29,10 +29,11 @@ def tgt():
 def server(tgt, tmp_path_factory, ray_driver):
     """The real application (serve.max_batch=4, serve.max_queue=8) on the session's Ray head: an
     untrained DSpark drafter next to the built-in target. Exactness does not depend on the drafter's
-    quality; the scheduler sees real confidences."""
+    quality; the scheduler sees real confidences. Requests without max_tokens (most of the fuzz's)
+    get 32 tokens (serve.max_tokens_default): every request here that needs more asks for it."""
     from ray import serve
 
-    yield start_app(tgt, tmp_path_factory.mktemp("drafter"), key=KEY)
+    yield start_app(tgt, tmp_path_factory.mktemp("drafter"), key=KEY, max_tokens_default=32)
     serve.shutdown()
 
 
