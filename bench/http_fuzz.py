@@ -52,26 +52,28 @@ GREEDY_PROMPT = "def add(a, b):\n"
 
 # -- the application
 
-def app_overrides(folder: Path, key: str = KEY, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE) -> list[str]:
+def app_overrides(folder: Path, key: str = KEY, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
+                  max_tokens_default: int = 128) -> list[str]:
     """The fuzz's serving settings: the drafter that start_app writes into `folder`, a free loopback port,
-    a small batch and queue (requests queue), an API key, calibration refits after few rounds."""
+    a small batch and queue (requests queue), an API key, calibration refits after few rounds, and
+    `max_tokens_default` tokens for requests that name no max_tokens."""
     return [f"serve.drafter_uri={folder}", f"serve.port={free_port()}", "serve.gamma=4",
             f"serve.max_batch={max_batch}", f"serve.max_queue={max_queue}", f"serve.api_key={key}",
             "serve.sps_batches=[1,2,4,8,16]", "ray.num_cpus=2", "serve.calibration_min_rounds=20",
-            "serve.calibration_refit_every=20"]
+            "serve.calibration_refit_every=20", f"serve.max_tokens_default={max_tokens_default}"]
 
 
 def start_app(tgt, folder: Path, key: str = KEY, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
-              cfg=None) -> str:
+              max_tokens_default: int = 128, cfg=None) -> str:
     """The real application on a free loopback port, an untrained DSpark drafter (gamma 4) next to the
     target: exactness does not depend on the drafter's quality, and the scheduler sees real confidences.
     `cfg`: the application's configuration (default: the built-in target with app_overrides(folder, key,
-    max_batch, max_queue)); its serve.drafter_uri must be `folder`. Returns its base URL."""
+    max_batch, max_queue, max_tokens_default)); its serve.drafter_uri must be `folder`. Returns its base URL."""
     torch.manual_seed(0)
     c = DrafterConfig.from_target(tgt.config, "dspark", [1, 2, 3], tgt.mask_token_id, num_layers=1, gamma=4,
                                   markov_rank=32, target={"weights_sha256": tgt.weights_sha256})
     save_drafter(build_drafter(c, tgt.model), folder)
-    return run_local(cfg or load_config(overrides=app_overrides(folder, key, max_batch, max_queue)))
+    return run_local(cfg or load_config(overrides=app_overrides(folder, key, max_batch, max_queue, max_tokens_default)))
 
 
 def prompt_ids(tgt, text: str) -> list[int]:

@@ -3,12 +3,15 @@ and stopped by PID (never `ray stop`)."""
 from __future__ import annotations
 
 import os
+import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # tests and CI: one thread per process
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from dspark.services import BUCKET  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -36,14 +39,71 @@ def object_store(services_dir):
     svc.stop()
 
 
+def wait_for(find, timeout: float, what: str, interval: float = 0.2):
+    """find()'s first truthy result, polled every `interval` seconds; an AssertionError naming `what`
+    after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = find()
+        if found:
+            return found
+        time.sleep(interval)
+    raise AssertionError(f"no {what} within {timeout:.0f}s")
+
+
 @pytest.fixture(scope="session")
-def ray_head(services_dir):
+def ray_head(services_dir, object_store):
+    """A Ray head started after the object store, as infra/local/start.sh does: its jobs inherit the
+    store's client settings."""
     from dspark.services import RayHead
 
     svc = RayHead(services_dir, num_cpus=2)
     st = svc.start()
     yield st
     svc.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_driver(ray_head):
+    """This process as a driver on the session's Ray head, as a job's driver is on a cluster: tests that
+    run Ray work here need no Ray of their own."""
+    import ray
+
+    from dspark.cluster import init_ray
+    from dspark.config import load_config
+
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = ray_head.env["RAY_AUTH_MODE"]
+    cfg = load_config(overrides=[f"ray.address={ray_head.env['DSPARK_RAY_GCS']}"])
+    for attempt in range(3):
+        try:
+            init_ray(cfg)
+            break
+        except ConnectionError:  # seen on an overloaded machine: the new head's GCS did not answer in time
+            if attempt == 2:
+                raise
+    yield
+    ray.shutdown()
+    if saved is None:
+        os.environ.pop("RAY_AUTH_MODE")
+    else:
+        os.environ["RAY_AUTH_MODE"] = saved
+
+
+# A small cache of the built-in corpus: 16 conversations in 4 shards (the overrides that build it)
+SMALL_CACHE = [f"storage.root=s3://{BUCKET}/it", "cache.name=small", "cache.max_examples=16", "cache.shard_rows=4",
+               "cache.max_new_tokens=16", "cache.batch_size=4"]
+
+
+@pytest.fixture(scope="session")
+def small_cache(ray_driver):
+    """SMALL_CACHE, built once per session by the Ray Data actor pool on the head; for tests that read it
+    (or copy it): (its config, its manifest)."""
+    from dspark.cache.build import build_cache
+    from dspark.config import load_config
+
+    cfg = load_config(overrides=[*SMALL_CACHE, "mlflow.enabled=false"])
+    return cfg, build_cache(cfg)
 
 
 @pytest.fixture

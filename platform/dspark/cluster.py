@@ -42,8 +42,8 @@ def init_ray(cfg) -> None:
     kwargs: dict = {"runtime_env": runtime_env(), "ignore_reinit_error": True}
     if address:
         ray.init(address=address, **kwargs)
-    else:
-        _start_local(lambda: ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, **kwargs))
+    else:  # "local": a new Ray, even when `ray start` has recorded another one on this machine (ray.init() joins it)
+        _start_local(lambda: ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False, **kwargs))
 
 
 def _start_local(start, attempts: int = 3) -> None:

@@ -76,6 +76,26 @@ def _wait(check, timeout: float, what: str, proc: subprocess.Popen, log: Path, t
     raise UserError(f"{what} was not ready within {timeout:.0f}s; see {log}")
 
 
+def _group_running(pid: int, pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs. Zombies do not count: they have exited and only wait
+    to be reaped, which this process does for its own child `pid` (the leader it started)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass  # not our child: its parent (or init) reaps it
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (OSError, psutil.Error):
+            continue
+    return False
+
+
 def _kill_group(pid: int, grace_s: float = 15.0) -> None:
     try:
         pgid = os.getpgid(pid)
@@ -88,9 +108,7 @@ def _kill_group(pid: int, grace_s: float = 15.0) -> None:
             return
         t0 = time.monotonic()
         while time.monotonic() - t0 < wait:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
+            if not _group_running(pid, pgid):
                 return
             time.sleep(0.2)
 

@@ -8,12 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import psutil
 import pyarrow.fs as pafs
 import pytest
 import torch
+from conftest import SMALL_CACHE, wait_for
 
 from dspark import target as targets
 from dspark.cache.build import build_cache, cache_uri
@@ -33,26 +34,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(name, *extra):
-    return load_config(overrides=[f"storage.root=s3://{BUCKET}/it", f"cache.name={name}", "cache.max_examples=12",
-                                  "cache.shard_rows=3", "cache.max_new_tokens=16", "cache.batch_size=4",
-                                  "mlflow.enabled=false", *extra])
+    """The shared small cache's settings (conftest.SMALL_CACHE) for cache `name`, then `extra`."""
+    return load_config(overrides=[*SMALL_CACHE, "mlflow.enabled=false", f"cache.name={name}", *extra])
 
 
-@pytest.fixture(scope="module")
-def ray_local(object_store):
-    import ray
-
-    from dspark.cluster import init_ray
-
-    init_ray(load_config(overrides=["ray.num_cpus=2"]))
-    yield
-    ray.shutdown()
-
-
-def test_build_then_stream_back_bit_exact(ray_local):
-    cfg = _cfg("exact")
-    m = build_cache(cfg)
-    assert m.rows == 12 and len(m.shards) == 4 and m.layers == [1, 2, 3]
+def test_build_then_stream_back_bit_exact(small_cache):
+    cfg, m = small_cache
+    assert m.rows == 16 and len(m.shards) == 4 and m.layers == [1, 2, 3]
     storage = Storage.from_config(cfg.storage)
     cache = open_cache(cache_uri(cfg), storage, expect={"hidden_size": 256})
     assert len(check_shards(cache, verify_checksums=True)) == 4
@@ -67,38 +55,59 @@ def test_build_then_stream_back_bit_exact(ray_local):
             assert torch.equal(t["features"][r, :n], feats.to(torch.bfloat16).float())
             assert torch.equal(t["last_hidden"][r, :n], last.to(torch.bfloat16).float())
             seen.append(batch["seq_id"][r])
-    assert len(seen) == 12 == len(set(seen))
+    assert len(seen) == 16 == len(set(seen))
     again = build_cache(cfg)  # complete: nothing rebuilt
     assert again.created == m.created
 
 
-def test_killed_build_resumes_without_partial_or_duplicate_rows(ray_local, tmp_path):
-    cfg = _cfg("resume", "cache.max_examples=24")
+def _builders(ray_head) -> set[psutil.Process]:
+    """The head's cache-builder actor processes."""
+    found = set()
+    for p in psutil.Process(ray_head.pid).children(recursive=True):
+        try:
+            if "ShardBuilder" in " ".join(p.cmdline()):
+                found.add(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def test_killed_build_resumes_without_partial_or_duplicate_rows(ray_driver, ray_head, tmp_path):
+    """jobs/build_cache.py on the Ray head is killed, driver and builder actor, once 2 of its 8 shards
+    are published; the rerun publishes the others and the manifest."""
+    settings = ["cache.max_examples=24", "cache.shard_rows=3"]
+    cfg = _cfg("resume", *settings)
     storage = Storage.from_config(cfg.storage)
     fs, root = storage.pyarrow_fs(cache_uri(cfg))
-    args = [sys.executable, str(ROOT / "jobs" / "build_cache.py"), "--set", f"storage.root=s3://{BUCKET}/it",
-            "--set", "cache.name=resume", "--set", "cache.max_examples=24", "--set", "cache.shard_rows=3",
-            "--set", "cache.max_new_tokens=16", "--set", "cache.batch_size=4", "--set", "mlflow.enabled=false",
-            "--set", "ray.num_cpus=2"]
+    args = [sys.executable, str(ROOT / "jobs" / "build_cache.py")]
+    for o in [*SMALL_CACHE, "mlflow.enabled=false", "cache.name=resume", *settings,
+              f"ray.address={ray_head.env['DSPARK_RAY_GCS']}"]:
+        args += ["--set", o]
+    others = _builders(ray_head)  # of earlier builds, if still exiting
     log = open(tmp_path / "build.log", "w")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ.copy())
-    deadline = time.monotonic() + 240
-    published = []
-    while time.monotonic() < deadline and proc.poll() is None:
-        published = [i for i in fs.get_file_info(pafs.FileSelector(f"{root}/_shards", allow_not_found=True))]
-        if len(published) >= 2:
-            break
-        time.sleep(0.5)
-    assert proc.poll() is None, (tmp_path / "build.log").read_text()[-3000:]
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole build dies: driver, Ray, actors
-    proc.wait()
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=os.environ.copy())
+    try:
+        wait_for(lambda: proc.poll() is not None or len(fs.get_file_info(
+            pafs.FileSelector(f"{root}/_shards", allow_not_found=True))) >= 2, 300, "2 published shards", 0.1)
+        assert proc.poll() is None, (tmp_path / "build.log").read_text()[-3000:]
+        builders = _builders(ray_head) - others
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the build dies: its driver (Ray restarts no actor of a dead driver)...
+        proc.wait()
+    for p in builders:  # ...and its actor, now rather than when Ray gets to it
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert len(builders) == 1 and psutil.wait_procs(builders, timeout=60)[1] == []
     assert fs.get_file_info(f"{root}/manifest.json").type == pafs.FileType.NotFound  # not a cache yet
-    visible = {i.base_name for i in fs.get_file_info(pafs.FileSelector(root)) if i.base_name.endswith(".parquet")}
-    assert len(visible) >= 2 and len(visible) < 8
-    before = {i.base_name: i.mtime for i in fs.get_file_info(pafs.FileSelector(root)) if i.base_name in visible}
+    sidecars = {i.base_name.removesuffix(".json") for i in fs.get_file_info(pafs.FileSelector(f"{root}/_shards"))}
+    before = {i.base_name: i.mtime for i in fs.get_file_info(pafs.FileSelector(root)) if i.base_name in sidecars}
+    assert 2 <= len(before) < 8  # a shard written without its sidecar yet is not published: it is built again
     logs = []
     m = build_cache(cfg, log_fn=logs.append)
-    assert f"{len(before)} already published" in logs[0] or any("already published" in x for x in logs)
+    assert f"in 8 shards, {len(before)} already published" in logs[0]
     assert m.rows == 24 and len(m.shards) == 8
     cache = open_cache(cache_uri(cfg), storage)
     assert len(check_shards(cache, verify_checksums=True)) == 8
@@ -110,17 +119,28 @@ def test_killed_build_resumes_without_partial_or_duplicate_rows(ray_local, tmp_p
     assert leftovers == []
 
 
-def test_rerun_with_other_settings_is_refused_and_a_damaged_shard_stops_the_read(ray_local):
-    cfg = _cfg("settings", "cache.max_examples=6")
+def _copy(storage: Storage, src_uri: str, dst_uri: str) -> None:
+    """Every object under src_uri, copied under dst_uri (server-side on S3)."""
+    fs, src = storage.pyarrow_fs(src_uri)
+    dst = storage.pyarrow_fs(dst_uri)[1]
+    for info in fs.get_file_info(pafs.FileSelector(src, recursive=True)):
+        if info.type == pafs.FileType.File:
+            fs.copy_file(info.path, dst + info.path[len(src):])
+
+
+def test_rerun_with_other_settings_is_refused_and_a_damaged_shard_stops_the_read(small_cache):
+    """On a copy of the shared cache whose build "died" before its manifest: every shard is published."""
+    cfg = _cfg("settings")
     storage = Storage.from_config(cfg.storage)
     fs, root = storage.pyarrow_fs(cache_uri(cfg))
-    first = build_cache(cfg)
+    _copy(storage, cache_uri(small_cache[0]), cache_uri(cfg))
+    first = open_cache(cache_uri(cfg), storage).manifest
     fs.delete_file(f"{root}/{MANIFEST}")  # the build died before its manifest: every shard is published
     for extra, named in ((["cache.codec=fp8"], "codec: 'bf16' there, 'fp8' now"),
                          (["cache.temperature=0"], "generation.temperature: 0.8 there, 0.0 now"),
                          (["cache.shard_rows=2"], "which examples each shard holds")):
         with pytest.raises(UserError, match="holds shards built with other settings") as e:
-            build_cache(_cfg("settings", "cache.max_examples=6", *extra))
+            build_cache(_cfg("settings", *extra))
         assert named in str(e.value) and "\n" not in str(e.value)
     again = build_cache(cfg, log_fn=lambda line: None)  # the original settings: finished without rebuilding
     assert again.shards == first.shards and again.codec == "bf16"
@@ -171,7 +191,7 @@ def tiny_llama(tmp_path_factory):
     return str(folder)
 
 
-def test_jsonl_conversations_from_s3_on_a_tiny_llama(ray_local, tiny_llama):
+def test_jsonl_conversations_from_s3_on_a_tiny_llama(ray_driver, tiny_llama):
     """cache.sources = a JSONL file on s3:// in two formats, one conversation multi-turn: one row per
     assistant turn, each prompt the target's chat template over the conversation so far with the
     target's own earlier answers, each answer ending at its first EOS (pad == EOS)."""

@@ -4,11 +4,11 @@ and the error paths (400 naming the field, 401, 404, 429) leaving the server hea
 import asyncio
 import json
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from conftest import wait_for
 
 from dspark import target as targets
 
@@ -26,16 +26,15 @@ def tgt():
 
 
 @pytest.fixture(scope="module")
-def server(tgt, tmp_path_factory):
-    """The real application (serve.max_batch=4, serve.max_queue=8): an untrained DSpark drafter next
-    to the built-in target. Exactness does not depend on the drafter's quality; the scheduler sees
-    real confidences."""
-    import ray
+def server(tgt, tmp_path_factory, ray_driver):
+    """The real application (serve.max_batch=4, serve.max_queue=8) on the session's Ray head: an
+    untrained DSpark drafter next to the built-in target. Exactness does not depend on the drafter's
+    quality; the scheduler sees real confidences. Requests without max_tokens (most of the fuzz's)
+    get 32 tokens (serve.max_tokens_default): every request here that needs more asks for it."""
     from ray import serve
 
-    yield start_app(tgt, tmp_path_factory.mktemp("drafter"), key=KEY)
+    yield start_app(tgt, tmp_path_factory.mktemp("drafter"), key=KEY, max_tokens_default=32)
     serve.shutdown()
-    ray.shutdown()
 
 
 def test_openai_client_completions_and_chat(server, tgt):
@@ -117,27 +116,23 @@ def test_auth_overload_and_disconnect_leave_the_server_healthy(server):
     with httpx.stream("POST", server + "/v1/completions", headers=H, timeout=60,
                       json={"prompt": "z = ", "max_tokens": 1500, "temperature": 1, "stream": True}) as r:
         next(r.iter_lines())  # read one event, then drop the connection
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        state = httpx.get(server + "/v1/engine", headers=H).json()
-        if state["active"] == 0 and state["waiting"] == 0:
-            break
-        time.sleep(0.5)
-    assert state["active"] == 0 and state["waiting"] == 0  # the slot was freed
+    wait_for(lambda: (st := httpx.get(server + "/v1/engine", headers=H).json())["active"] == 0 and st["waiting"] == 0,
+             30, "free slot after the client left")
     r = httpx.post(server + "/v1/completions", headers=H, json={"prompt": "x = ", "max_tokens": 4}, timeout=60)
     assert r.status_code == 200
 
 
 def test_calibration_actor_collects_live_outcomes(server):
-    for i in range(6):
-        httpx.post(server + "/v1/completions", headers=H, json={"prompt": f"v{i} = ", "max_tokens": 48}, timeout=120)
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        stats = httpx.get(server + "/v1/calibration", headers=H).json()
-        if stats["rounds_total"] > 0:
-            break
-        time.sleep(1)
-    assert stats["rounds_total"] > 0 and len(stats["temperatures"]) == len(stats["biases"]) == 4
+    async def traffic():
+        async with httpx.AsyncClient(timeout=120) as client:
+            rs = await asyncio.gather(*(client.post(server + "/v1/completions", headers=H,
+                                                    json={"prompt": f"v{i} = ", "max_tokens": 48}) for i in range(6)))
+            return [r.status_code for r in rs]
+
+    assert asyncio.run(traffic()) == [200] * 6
+    stats = wait_for(lambda: (st := httpx.get(server + "/v1/calibration", headers=H).json())["rounds_total"] > 0 and st,
+                     30, "calibration rounds")  # the engines send their outcomes every second
+    assert len(stats["temperatures"]) == len(stats["biases"]) == 4
     assert json.dumps(stats)  # JSON-safe
 
 

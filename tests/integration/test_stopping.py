@@ -10,21 +10,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import wait_for
 
 from dspark.services import free_port
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _wait_for(find, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = find()
-        if found:
-            return found
-        time.sleep(0.5)
-    raise AssertionError(f"no {what} within {timeout:.0f}s")
 
 
 def _all_gone(procs, timeout: float = 60.0) -> list:
@@ -53,7 +44,9 @@ def test_ctrl_c_stops_serve_and_its_local_ray_with_a_wedged_engine():
                              "--set", "serve.sps_batches=[1]", "--set", "ray.num_cpus=2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        engine = _wait_for(lambda: _named(proc.pid, "SpeculativeEngine"), 300, "engine replica")
+        engine = wait_for(lambda: proc.poll() is not None or _named(proc.pid, "SpeculativeEngine"), 300,
+                          "engine replica")
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
         for p in engine:
             p.suspend()  # wedged while starting: serve.run waits for it forever
         started = psutil.Process(proc.pid).children(recursive=True)

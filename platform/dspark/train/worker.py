@@ -226,6 +226,9 @@ def train_loop_per_worker(config: dict) -> None:
             drafter.load_state_dict(load_file(str(local / WEIGHTS_FILE)))
     engine, scheduler = _engine(cfg, drafter, world, cuda, total)
     pos = _resume(engine)
+    if rank == 0 and pos.step:
+        print(f"[train] resumed from the checkpoint of step {pos.step} (epoch {pos.epoch}, "
+              f"micro-batch {pos.micro_in_epoch})", flush=True)
     run = tracking.RunClient(cfg, config["mlflow_run_id"]) if rank == 0 and config["mlflow_run_id"] else None
     if run and pos.step == 0:
         run.params({**cfg.flat(), "world_size": world, "total_steps": total, "cache.rows": manifest.rows})
