@@ -17,7 +17,7 @@ from scipy import stats
 from dspark import target as targets
 from dspark.decoding import speculative as spec
 from dspark.decoding.runner import TargetRunner
-from dspark.decoding.sampling import BatchSampler, SamplingParams, probs
+from dspark.decoding.sampling import BatchSampler, SamplingParams, inverse_cdf, probs
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.errors import UserError
 from dspark.models import DrafterConfig, build_drafter
@@ -248,11 +248,10 @@ def test_chi_square_catches_a_broken_verifier(tgt, prompt, monkeypatch, all_core
     """Accepting every draft returns the DRAFT distribution: the same test must reject it."""
     law = _exact_law(tgt, prompt)
 
-    def accept_all(drafts, q, target_logits, sp, gen):
-        l = drafts.shape[0]
-        return l, int(torch.multinomial(probs(target_logits[l], sp), 1, generator=gen))
+    def accept_all(drafts, lengths, q, p, first, u, v):
+        return lengths, inverse_cdf(p[first + lengths], v)  # every draft, then the bonus token ~ p_{l+1}
 
-    monkeypatch.setattr(spec, "verify_one", accept_all)
+    monkeypatch.setattr(spec, "verify_sampled", accept_all)
     n = 3000  # far fewer samples than the exactness tests use suffice to reject it
     samples, _ = _sample(tgt, prompt, PerturbedTarget(tgt.model, 4), spec.full_length, n)
     p_value, _ = _chi2(law, [s for s in samples if s in law])  # the test sees it even inside the support
