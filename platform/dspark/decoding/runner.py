@@ -156,9 +156,11 @@ class TargetRunner:
             raise UserError(f"context of {max(end)} tokens exceeds the limit of {self.max_len} positions per request")
         self._ensure(max(end))
         ids = torch.cat(tokens).to(self.device)  # (Ttot,)
-        pos = torch.cat([torch.arange(a, b) for a, b in zip(start, end)]).to(self.device)  # (Ttot,)
-        row = torch.cat([torch.full((k,), r) for r, k in enumerate(n)]).to(self.device)  # request of each token
-        col = torch.cat([torch.arange(k) for k in n]).to(self.device)  # index within the request's new tokens
+        dev, n_t = self.device, torch.tensor(n, device=self.device)
+        # each new token's request, index among that request's new tokens and position in its sequence
+        row = torch.repeat_interleave(torch.arange(len(n), device=dev), n_t, output_size=len(ids))  # (Ttot,)
+        col = torch.arange(len(ids), device=dev) - (n_t.cumsum(0) - n_t)[row]  # (Ttot,)
+        pos = torch.tensor(start, device=dev)[row] + col  # (Ttot,)
         slot_t = torch.tensor(slots, device=self.device)
         L = max(end)
         # query t of request r sees key j iff  q - window < j <= q  with q = start_r + t (its cache and its

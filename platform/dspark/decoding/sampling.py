@@ -59,6 +59,21 @@ def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return p
 
 
+def batch_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Row r of logits (R, V) under params[r] -> (R, V); one `probs` call per distinct params (a batch
+    usually shares one), not one per row."""
+    groups: dict[SamplingParams, list[int]] = {}
+    for r, sp in enumerate(params):
+        groups.setdefault(sp, []).append(r)
+    if len(groups) == 1:
+        return probs(logits, params[0])
+    out = logits.new_empty(logits.shape, dtype=torch.float32)
+    for sp, rows in groups.items():
+        idx = torch.tensor(rows, device=logits.device)
+        out[idx] = probs(logits[idx], sp)
+    return out
+
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -83,9 +98,13 @@ def perturbed(p: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return p.to("cpu", torch.float64).log() + noise
 
 
-def draw(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One sample per row of p (R, V) with the row's own generator semantics kept by the caller."""
-    return torch.multinomial(p, 1, generator=generator)[..., 0]
+def inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row r of p (R, V) (non-negative, any positive total) sampled with the uniform u[r] in [0, 1):
+    token i is returned iff cdf[i-1] <= u * total < cdf[i], i.e. with probability p_i / total; one-hot
+    (greedy) rows return their argmax. float64 keeps the CDF's rounding far below any p_i. One uniform
+    per row, where torch.multinomial draws one random number per vocabulary entry."""
+    cdf = p.detach().to("cpu", torch.float64).cumsum(-1)  # (R, V)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=p.shape[-1] - 1)
 
 
 class BatchSampler:
@@ -101,19 +120,14 @@ class BatchSampler:
         self.calls = 0
 
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = torch.stack([probs(logits[r], sp) for r, sp in enumerate(self.params)])  # (R, V)
-        toks = self._inverse_cdf(rows)
-        for r, key in enumerate(self.keys):
-            if key is not None and not self.params[r].greedy:
-                toks[r] = int(perturbed(rows[r:r + 1], gumbel(key[0], key[1] + self.calls, 1, rows.shape[-1])).argmax())
+        rows = batch_probs(logits, self.params)  # (R, V)
+        # one uniform per request from its own generator, then ONE batched search (one multinomial call
+        # per request and draft position dominated a drafting round)
+        u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in self.generators])  # (R,)
+        toks = inverse_cdf(rows, u)
+        keyed = [r for r, key in enumerate(self.keys) if key is not None and not self.params[r].greedy]
+        if keyed:  # Gumbel-max with the noise of each keyed request's output position
+            noise = torch.cat([gumbel(self.keys[r][0], self.keys[r][1] + self.calls, 1, rows.shape[-1]) for r in keyed])
+            toks[keyed] = perturbed(rows[keyed], noise).argmax(-1)
         self.calls += 1
         return toks.to(logits.device), rows
-
-    def _inverse_cdf(self, rows: torch.Tensor) -> torch.Tensor:
-        # Inverse-CDF sampling: one uniform per request from its own generator, then ONE batched search
-        # (one multinomial call per request and draft position dominated a drafting round). Token i is
-        # returned iff cdf[i-1] <= u * total < cdf[i], i.e. with probability p_i; greedy rows are
-        # one-hot, so they return their argmax. float64 keeps the CDF's rounding far below any p_i.
-        u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in self.generators])  # (R,)
-        cdf = rows.detach().to("cpu", torch.float64).cumsum(-1)  # (R, V)
-        return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=rows.shape[-1] - 1)

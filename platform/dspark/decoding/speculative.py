@@ -26,15 +26,8 @@ import torch
 from dspark.calibration import sts
 from dspark.calibration.sts import Calibration
 from dspark.decoding.runner import TargetRunner
-from dspark.decoding.sampling import (
-    BatchSampler,
-    SamplingParams,
-    draw,
-    gumbel,
-    perturbed,
-    probs,
-)
-from dspark.decoding.verify import verify_greedy, verify_one
+from dspark.decoding.sampling import BatchSampler, SamplingParams, batch_probs, gumbel, perturbed
+from dspark.decoding.verify import verify_choices, verify_sampled
 from dspark.errors import UserError
 from dspark.models.drafter import Drafter, DraftState
 from dspark.scheduling.policies import Policy
@@ -122,7 +115,8 @@ class SpeculativeDecoder:
                 req.gen = torch.Generator().manual_seed(req.seed)
                 req.slot = self.runner.alloc()
             out = self.runner.forward([r.slot for r in reqs], [torch.tensor(r.prompt) for r in reqs])
-            firsts = [self._sample_target(out.logits[i][-1:], req)[0] for i, req in enumerate(reqs)]
+            no_drafts = torch.zeros(len(reqs), 0, dtype=torch.long)  # the first token: a round verifying nothing
+            _, firsts = self._verify(reqs, no_drafts, [0] * len(reqs), None, [x[-1:] for x in out.logits])
             if self.drafter is not None:
                 for req in reqs:
                     req.state = DraftState()
@@ -146,18 +140,6 @@ class SpeculativeDecoder:
             self.active.remove(req)
             req.done = True
             self._release(req)
-
-    def _sample_target(self, logits: torch.Tensor, req: Request) -> list[int]:
-        """Target tokens for the next len(logits) output positions given their logits (n, V); n > 1
-        only for the verification of a reproducible request, which needs every row's choice."""
-        if req.sp.greedy:
-            return logits.argmax(-1).tolist()
-        p = probs(logits, req.sp)
-        if not torch.isfinite(p).all():
-            raise FloatingPointError("the target's distribution is not finite (NaN/inf logits)")
-        if req.reproducible:
-            return perturbed(p, gumbel(req.seed, len(req.out), len(p), p.shape[-1])).argmax(-1).tolist()
-        return [int(draw(p[-1:].cpu(), req.gen)[0])]
 
     def _commit(self, req: Request, tokens: list[int]) -> None:
         for t in tokens:
@@ -232,21 +214,21 @@ class SpeculativeDecoder:
             for r in reqs:
                 r.draft_s += dt
         t0 = time.perf_counter()
-        seqs = [torch.cat([anchors[i:i + 1], drafts[i, :lengths[i]]]) if drafts is not None else anchors[i:i + 1]
-                for i in range(len(reqs))]
+        tokens = anchors[:, None] if drafts is None else torch.cat([anchors[:, None], drafts], 1)  # (R, 1 + gamma)
         starts = [self.runner.lengths[r.slot] for r in reqs]
-        out = self.runner.forward([r.slot for r in reqs], seqs)
+        out = self.runner.forward([r.slot for r in reqs], [tokens[i, :1 + l] for i, l in enumerate(lengths)])
+        n_acc, emitted = self._verify(reqs, tokens[:, 1:], lengths, probs_q, out.logits)
         dt = (time.perf_counter() - t0) / len(reqs)
+        # per-request Python lists, converted once for the batch
+        draft_ids = tokens[:, 1:].tolist()
+        conf_rows = [None] * len(reqs) if conf_logits is None else conf_logits.tolist()
+        surv_rows = [None] * len(reqs) if survival is None else survival.tolist()
         committed = []
-        for i, r in enumerate(reqs):
+        for i, (r, n) in enumerate(zip(reqs, n_acc)):
             r.verify_s += dt
-            n, y = self._verify(r, drafts[i, :lengths[i]] if drafts is not None else anchors[:0],
-                                probs_q[i, :lengths[i]] if probs_q is not None else None, out.logits[i])
-            r.rounds.append(RoundRecord(lengths[i], n, None if conf_logits is None else conf_logits[i].tolist(),
-                                        None if survival is None else survival[i].tolist()))
+            r.rounds.append(RoundRecord(lengths[i], n, conf_rows[i], surv_rows[i]))
             self.runner.truncate(r.slot, starts[i] + 1 + n)  # keep x_0 and the accepted drafts
-            new = (drafts[i, :n].tolist() if n else []) + [y]
-            committed.append((r, out.taps[i][: 1 + n], new))
+            committed.append((r, out.taps[i][: 1 + n], draft_ids[i][:n] + [emitted[i]]))
         if self.drafter is not None:  # the drafter's context grows by x_0 and the accepted drafts
             try:
                 self.drafter.extend([r.state for r, _, _ in committed], [t for _, t, _ in committed],
@@ -258,19 +240,30 @@ class SpeculativeDecoder:
             self._commit(r, new)
         self.active = [r for r in reqs if not r.done]
 
-    def _verify(self, r: Request, drafts: torch.Tensor, q: Optional[torch.Tensor], logits: torch.Tensor) -> tuple[int, int]:
-        """drafts (l,), q (l, V), the target's logits (l+1, V) -> (n accepted, the emitted token)."""
-        l = drafts.shape[0]
-        if r.reproducible and not r.sp.greedy:  # the greedy rule on the perturbed scores (sampling.py)
-            choice = torch.tensor(self._sample_target(logits[: l + 1], r))
-            miss = (drafts != choice[:l]).nonzero()
-            n = int(miss[0]) if len(miss) else l
-            return n, int(choice[n])
-        if l == 0:
-            return 0, self._sample_target(logits[:1], r)[0]
-        if r.sp.greedy:
-            return verify_greedy(drafts, logits)
-        return verify_one(drafts, q, logits, r.sp, r.gen)
+    def _verify(self, reqs: list[Request], drafts: torch.Tensor, lengths: list[int], q: Optional[torch.Tensor],
+                logits: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+        """Request r verifies drafts[r, :lengths[r]] of drafts (R, G) (G = 0: plain target sampling), drawn
+        from q (R, G, V), against the target's logits (l_r + 1, V) of one forward; all requests at once.
+        Returns each request's accepted drafts n and emitted token."""
+        n_rows = [len(x) for x in logits]
+        p = batch_probs(torch.cat(logits), [r.sp for r, k in zip(reqs, n_rows) for _ in range(k)])  # (T, V)
+        if not torch.isfinite(p).all():
+            raise FloatingPointError("the target's distribution is not finite (NaN/inf logits)")
+        l, rows_per_request = torch.tensor(lengths, dtype=torch.long), torch.tensor(n_rows)
+        first = rows_per_request.cumsum(0) - rows_per_request  # request r's rows of p: first[r] .. first[r] + l_r
+        # rejection sampling with each request's own generator (greedy requests too: their p is one-hot)
+        u = torch.stack([torch.rand(drafts.shape[1], generator=r.gen, dtype=torch.float64) for r in reqs])
+        v = torch.stack([torch.rand((), generator=r.gen, dtype=torch.float64) for r in reqs])
+        n, y = verify_sampled(drafts, l, q, p, first, u, v)
+        seeded = [i for i, r in enumerate(reqs) if r.reproducible and not r.sp.greedy]
+        if seeded:  # the greedy rule on the perturbed scores, noise keyed by (seed, output position) (sampling.py)
+            rows = torch.cat([torch.arange(first[i], first[i] + lengths[i] + 1) for i in seeded])
+            noise = torch.cat([gumbel(reqs[i].seed, len(reqs[i].out), lengths[i] + 1, p.shape[-1]) for i in seeded])
+            choice = torch.zeros(len(p), dtype=torch.long)
+            choice[rows] = perturbed(p[rows], noise).argmax(-1)
+            idx = torch.tensor(seeded)
+            n[idx], y[idx] = verify_choices(drafts[idx], l[idx], choice, first[idx])
+        return n.tolist(), y.tolist()
 
     def run(self, requests: list[Request]) -> list[Request]:
         """Decode all requests, at most `max_slots` at a time; new ones join as others finish."""

@@ -1,4 +1,5 @@
-"""Lossless verification (speculative sampling, Leviathan et al. / Chen et al.).
+"""Lossless verification (speculative sampling, Leviathan et al. / Chen et al.), for a whole batch of
+requests at once (a handful of tensor operations per round, not a Python loop per request and draft).
 
 For one request with drafts x_1..x_l drawn from q_1..q_l, and target distributions p_1..p_{l+1}
 from ONE target forward over [x_0, x_1..x_l]:
@@ -10,37 +11,53 @@ from ONE target forward over [x_0, x_1..x_l]:
 
 Every emitted token is distributed exactly as the target's p, whatever q is, and l may be chosen
 per request (the scheduler) as long as the choice does not look at x_k itself before admitting it.
-Greedy is the one-hot case: accept iff x_k == argmax p_k, and y = argmax of the first mismatch.
+Greedy is the one-hot case: p_k(x_k) is 1 or 0, so x_k is accepted iff it is the argmax of p_k, and
+y = the argmax of the first mismatch. A drafter that reports no q proposed deterministically: q_k is
+the one-hot of x_k.
+
+Layout: request r's drafts are drafts[r, :l_r] of a (R, G) batch; the target's distributions of all
+requests are the rows of one (T, V) tensor p, request r's l_r + 1 rows from first[r] on.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 
-from dspark.decoding.sampling import SamplingParams, draw, probs
-
-
-def verify_one(drafts: torch.Tensor, q: torch.Tensor, target_logits: torch.Tensor, sp: SamplingParams,
-               generator: torch.Generator | None) -> tuple[int, int]:
-    """drafts (l,), q (l, V), target_logits (l+1, V) -> (n accepted, the emitted next token)."""
-    p = probs(target_logits, sp)  # (l+1, V)
-    l = drafts.shape[0]
-    for k in range(l):
-        x = int(drafts[k])
-        px, qx = float(p[k, x]), float(q[k, x])
-        u = torch.rand((), generator=generator).item()
-        if u * qx < px:  # accept with probability min(1, px / qx)
-            continue
-        residual = (p[k] - q[k]).clamp(min=0)
-        if residual.sum() <= 0:  # only reachable through rounding when p == q
-            residual = p[k]
-        return k, int(draw((residual / residual.sum()).cpu()[None], generator)[0])
-    return l, int(draw(p[l].cpu()[None], generator)[0]) if not sp.greedy else int(p[l].argmax())
+from dspark.decoding.sampling import inverse_cdf
 
 
-def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """Greedy fast path: no randomness; n = matching prefix length, next = the target's argmax there."""
-    best = target_logits.argmax(-1)  # (l+1,)
-    l = drafts.shape[0]
-    miss = (drafts != best[:l]).nonzero()
-    n = int(miss[0]) if len(miss) else l
-    return n, int(best[n])
+def _rows(first: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """(R, width): row of p of each request's position k, k = 0 .. width-1 (positions past l_r: its last row)."""
+    return first[:, None] + torch.arange(width).minimum(lengths[:, None])
+
+
+def verify_sampled(drafts: torch.Tensor, lengths: torch.Tensor, q: Optional[torch.Tensor], p: torch.Tensor,
+                   first: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling. drafts (R, G) long, lengths (R,) l_r <= G, q (R, G, V) or None, p (T, V),
+    first (R,); u (R, G) and v (R,): uniforms in [0, 1) (request r's from its own generator).
+    Returns n accepted (R,) and the emitted tokens (R,)."""
+    R, G = drafts.shape
+    verified = torch.arange(G) < lengths[:, None]  # (R, G)
+    px = p[_rows(first, lengths, G), drafts].double().cpu()  # (R, G) p_k(x_k)
+    qx = torch.ones_like(px) if q is None else q.gather(-1, drafts[..., None].to(q.device))[..., 0].double().cpu()
+    n = ((u * qx < px) & verified).int().cumprod(1).sum(1)  # x_k accepted w.p. min(1, px / qx), until the first miss
+    emit = p[first + n]  # (R, V): p_k at the first rejection, or the bonus p_{l+1}
+    if G:
+        k = n.clamp(max=G - 1)
+        q_k = F.one_hot(drafts[torch.arange(R), k], p.shape[-1]) if q is None else q[torch.arange(R), k]
+        rejected = (n < lengths).to(emit.device)[:, None]
+        residual = (emit - torch.where(rejected, q_k.to(emit), 0.0)).clamp(min=0)  # max(0, p_k - q_k), unnormalised
+        emit = torch.where(residual.sum(-1, keepdim=True) > 0, residual, emit)  # all 0 only by rounding when p == q
+    return n, inverse_cdf(emit, v)
+
+
+def verify_choices(drafts: torch.Tensor, lengths: torch.Tensor, choice: torch.Tensor,
+                   first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy rule against the target's own choice per row of p, choice (T,) (seeded requests: its
+    Gumbel-max sample, see sampling.py): n = the drafts that match it, then its choice after them."""
+    R, G = drafts.shape
+    c = choice[_rows(first, lengths, G + 1)]  # (R, G + 1)
+    n = ((drafts == c[:, :G]) & (torch.arange(G) < lengths[:, None])).int().cumprod(1).sum(1)
+    return n, c.gather(1, n[:, None])[:, 0]

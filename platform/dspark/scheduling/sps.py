@@ -22,15 +22,17 @@ class SPSTable:
     def __post_init__(self):
         if not self.batch or len(self.batch) != len(self.sps) or any(np.diff(self.batch) <= 0):
             raise UserError("SPS table: 'batch' must be increasing and as long as 'sps'")
+        # as arrays once: the policies call the table for every candidate draft of every round
+        self._b, self._s = np.asarray(self.batch, dtype=np.float64), np.asarray(self.sps, dtype=np.float64)
 
     def __call__(self, B: int) -> float:
         """Linear interpolation inside the table; beyond it, constant tokens/s (SPS ∝ 1/B)."""
-        b = np.asarray(self.batch, dtype=np.float64)
+        b = self._b
         if B <= b[0]:
-            return float(self.sps[0])
+            return float(self._s[0])
         if B >= b[-1]:
-            return float(self.sps[-1] * b[-1] / B)
-        return float(np.interp(B, b, self.sps))
+            return float(self._s[-1] * b[-1] / B)
+        return float(np.interp(B, b, self._s))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
