@@ -5,6 +5,8 @@ import os
 from importlib import metadata
 from pathlib import Path
 
+import psutil
+
 
 def runtime_env() -> dict:
     """Ship the library to the workers when it is not installed there (a plain checkout submitted
@@ -41,7 +43,25 @@ def init_ray(cfg) -> None:
     if address:
         ray.init(address=address, **kwargs)
     else:
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, **kwargs)
+        _start_local(lambda: ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, **kwargs))
+
+
+def _start_local(start, attempts: int = 3) -> None:
+    """Ray waits a fixed 30 s for a new local node to register with its GCS; on a busy machine it can
+    miss that and raise. Then the processes the failed attempt left are removed and Ray starts again."""
+    me = psutil.Process()
+    for attempt in range(attempts):
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            start()
+            return
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == attempts - 1:
+                raise
+            for p in me.children(recursive=True):
+                if p.pid not in before:
+                    p.kill()
+            psutil.wait_procs([p for p in me.children(recursive=True) if p.pid not in before], timeout=10)
 
 
 def quiet_ray_data() -> None:

@@ -351,11 +351,18 @@ class RayHead(Service):
             return False
         return any(env.get(k) != v for k, v in self.job_env().items())
 
-    def start(self, timeout: float = 240.0, ports: dict[str, int] | None = None) -> ServiceState:
+    def start(self, timeout: float = 240.0, ports: dict[str, int] | None = None, attempts: int = 3) -> ServiceState:
         st = self.state()
         if st and self.stale(st):
             self.stop()  # restarted with the settings its jobs need
-        return super().start(timeout, ports)
+        for attempt in range(attempts):
+            try:
+                return super().start(timeout, ports)
+            except UserError as e:
+                # Ray waits a fixed 30 s for its own node to register; a busy machine can miss that and
+                # `ray start` exits. The failed attempt's process group is gone: try again.
+                if "exited with code" not in str(e) or attempt == attempts - 1:
+                    raise
 
     def client_env(self, ports):
         return {"RAY_ADDRESS": f"http://127.0.0.1:{ports['dashboard']}", "RAY_AUTH_MODE": "disabled",
