@@ -11,6 +11,7 @@ options; the content of hidden states does not change IO cost (they do not compr
 Starts its own object store (SeaweedFS on 127.0.0.1, in a temporary folder) and a local Ray
 (ray.num_cpus, else every CPU). Prints what it measured and how.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import ray
 import torch
+
 from dspark import target as targets
 from dspark.cache import codec as codecs
 from dspark.cache.build import publish_shard
@@ -50,15 +52,24 @@ def synthetic_rows(rows: int, tokens: int, d: int, m: int, vocab: int, codec: st
     return cols
 
 
-def bench_location(name: str, uri: str, storage: Storage, shard_cols: list[dict], codec: str, d: int, m: int,
-                   repeats: int = 3):
+def bench_location(
+    name: str, uri: str, storage: Storage, shard_cols: list[dict], codec: str, d: int, m: int, repeats: int = 3
+):
     fs, root = storage.pyarrow_fs(uri)
     fs.create_dir(root, recursive=True)
     t0 = time.perf_counter()
     stats = [publish_shard(fs, root, i, cols) for i, cols in enumerate(shard_cols)]
     write_s = time.perf_counter() - t0
-    man = Manifest(target={}, tokenizer_sha256="", layers=list(range(m)), hidden_size=d, codec=codec, generation={},
-                   corpus_sha256="", shards=stats)
+    man = Manifest(
+        target={},
+        tokenizer_sha256="",
+        layers=list(range(m)),
+        hidden_size=d,
+        codec=codec,
+        generation={},
+        corpus_sha256="",
+        shards=stats,
+    )
     with fs.open_output_stream(f"{root}/{MANIFEST}") as f:
         f.write(man.to_json().encode())
     nbytes, ntok = man.bytes, man.tokens
@@ -69,10 +80,12 @@ def bench_location(name: str, uri: str, storage: Storage, shard_cols: list[dict]
     cache = open_cache(uri, storage)
     for _ in dataset(cache).iter_batches(batch_size=16):  # warm-up: Ray workers started, files cached alike
         pass
-    out = [f"{name:6s} write  {nbytes / 2**20 / write_s:8.1f} MB/s {ntok / write_s:10,.0f} tok/s   (publish_shard: "
-           f"tmp file + move, {len(stats)} shards, {nbytes / 2**20:.1f} MiB)",
-           f"{name:6s} read   {nbytes / 2**20 / pa_read_s:8.1f} MB/s {ntok / pa_read_s:10,.0f} tok/s   "
-           f"(pyarrow read_table per shard)"]
+    out = [
+        f"{name:6s} write  {nbytes / 2**20 / write_s:8.1f} MB/s {ntok / write_s:10,.0f} tok/s   (publish_shard: "
+        f"tmp file + move, {len(stats)} shards, {nbytes / 2**20:.1f} MiB)",
+        f"{name:6s} read   {nbytes / 2**20 / pa_read_s:8.1f} MB/s {ntok / pa_read_s:10,.0f} tok/s   "
+        f"(pyarrow read_table per shard)",
+    ]
     for label, blocks in (("1 block/shard", 1), ("default", 0), ("8 blocks/shard", 8)):
         firsts, totals = [], []
         for _ in range(repeats):
@@ -85,9 +98,11 @@ def bench_location(name: str, uri: str, storage: Storage, shard_cols: list[dict]
             firsts.append(first)
             totals.append(time.perf_counter() - t0)
         total = float(np.median(totals))
-        out.append(f"{name:6s} ray    {nbytes / 2**20 / total:8.1f} MB/s {n_tok / total:10,.0f} tok/s   "
-                   f"(Ray Data read_parquet + decode, {label}: first batch after {np.median(firsts):.2f}s, "
-                   f"full pass {total:.2f}s; median of {repeats})")
+        out.append(
+            f"{name:6s} ray    {nbytes / 2**20 / total:8.1f} MB/s {n_tok / total:10,.0f} tok/s   "
+            f"(Ray Data read_parquet + decode, {label}: first batch after {np.median(firsts):.2f}s, "
+            f"full pass {total:.2f}s; median of {repeats})"
+        )
     return out
 
 
@@ -104,9 +119,11 @@ def main(argv=None):
     d, m, vocab = hf.hidden_size, len(cfg.cache.layers) or cfg.cache.num_layers, hf.vocab_size
     rng = np.random.default_rng(0)
     shard_cols = [synthetic_rows(args.rows, args.tokens, d, m, vocab, codec, rng) for _ in range(args.shards)]
-    print(f"cache_io: {args.shards} shards x {args.rows} rows x ~{args.tokens} tokens, d={d}, m={m} "
-          f"(target {cfg.target.name_or_path}), codec {codec}, {os.cpu_count()} CPUs; "
-          f"local S3 = SeaweedFS on 127.0.0.1")
+    print(
+        f"cache_io: {args.shards} shards x {args.rows} rows x ~{args.tokens} tokens, d={d}, m={m} "
+        f"(target {cfg.target.name_or_path}), codec {codec}, {os.cpu_count()} CPUs; "
+        f"local S3 = SeaweedFS on 127.0.0.1"
+    )
     ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
     quiet_ray_data()
     logging.getLogger("ray.data").setLevel(logging.WARNING)
@@ -115,8 +132,11 @@ def main(argv=None):
         st = store.start()
         try:
             os.environ.update(st.env)
-            storage = Storage(endpoint_url=st.env["AWS_ENDPOINT_URL"], access_key=st.env["AWS_ACCESS_KEY_ID"],
-                              secret_key=st.env["AWS_SECRET_ACCESS_KEY"])
+            storage = Storage(
+                endpoint_url=st.env["AWS_ENDPOINT_URL"],
+                access_key=st.env["AWS_ACCESS_KEY_ID"],
+                secret_key=st.env["AWS_SECRET_ACCESS_KEY"],
+            )
             lines = bench_location("local", str(Path(tmp) / "cache"), storage, shard_cols, codec, d, m)
             lines += bench_location("s3", f"s3://{BUCKET}/bench-cache", storage, shard_cols, codec, d, m)
         finally:

@@ -20,6 +20,7 @@ _fp8 (trained on --fp8-cache), _code (trained on the cache's code rows only: a d
 confidences shift when traffic turns to prose), _kl (DSpark with KL(p_t||p_d) in place of the L1
 term: an ablation). Prints a tau table with ratios next to the paper's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from dspark import evaluation
 from dspark import target as targets
 from dspark.cache.read import iter_local, open_cache
@@ -62,15 +64,24 @@ def parse(name: str):
     if base.endswith("_g15"):
         base, gamma = base[:-4], 15
     if base not in VARIANTS:
-        raise UserError(f"unknown variant {name!r} (base names: {', '.join(VARIANTS)}; "
-                        f"suffixes _g15, _fp8, _code, _kl)")
+        raise UserError(
+            f"unknown variant {name!r} (base names: {', '.join(VARIANTS)}; suffixes _g15, _fp8, _code, _kl)"
+        )
     return (*VARIANTS[base], gamma, fp8, domains)
 
 
 def train_variant(name, tgt, cache, cfg, steps, out_dir, log):
     kind, layers, markov, gamma, _, domains = parse(name)
-    dc = DrafterConfig.from_target(tgt.config, kind, cache.manifest.layers, tgt.mask_token_id,
-                                   num_layers=layers, gamma=gamma, markov=markov, target=cache.manifest.target)
+    dc = DrafterConfig.from_target(
+        tgt.config,
+        kind,
+        cache.manifest.layers,
+        tgt.mask_token_id,
+        num_layers=layers,
+        gamma=gamma,
+        markov=markov,
+        target=cache.manifest.target,
+    )
     torch.manual_seed(cfg.train.seed)
     drafter = build_drafter(dc, tgt.model)
     tc = cfg.train.model_copy(update={"gamma": gamma, "dist_loss": "kl" if name.endswith("_kl") else "l1"})
@@ -84,13 +95,19 @@ def train_variant(name, tgt, cache, cfg, steps, out_dir, log):
 
     def progress(step, m):
         if step % 50 == 0 or step == steps - 1:
-            log(f"[{name}] step {step:4d} loss {m['loss']:.4f} expected tau {m['expected_tau']:.3f} "
-                f"accept_1 {m['accept_1']:.3f} {m['tokens_per_s']:.0f} tok/s ({time.perf_counter() - t0:.0f}s)")
+            log(
+                f"[{name}] step {step:4d} loss {m['loss']:.4f} expected tau {m['expected_tau']:.3f} "
+                f"accept_1 {m['accept_1']:.3f} {m['tokens_per_s']:.0f} tok/s ({time.perf_counter() - t0:.0f}s)"
+            )
 
     hist = fit(drafter, batches, tc, steps, progress)
     save_drafter(drafter, out_dir / name)
-    return drafter, {"params": count_params(drafter), "train_s": time.perf_counter() - t0,
-                     "final": hist[-1], "epochs": epoch[0]}
+    return drafter, {
+        "params": count_params(drafter),
+        "train_s": time.perf_counter() - t0,
+        "final": hist[-1],
+        "epochs": epoch[0],
+    }
 
 
 def main(argv=None):
@@ -101,8 +118,9 @@ def main(argv=None):
     p.add_argument("--variants", default="eagle3,dflash,dspark,dspark_rnn")
     p.add_argument("--out", default="results/comparison")
     p.add_argument("--eval-only", action="store_true", help="evaluate drafters already trained into --out")
-    p.add_argument("--gammas", default="",
-                   help="static verification lengths to also evaluate _g15 variants at, e.g. 3,7,15")
+    p.add_argument(
+        "--gammas", default="", help="static verification lengths to also evaluate _g15 variants at, e.g. 3,7,15"
+    )
     args = p.parse_args(argv)
     args.overrides = TRAIN_DEFAULTS + args.overrides
     cfg = config_from_args(args)
@@ -137,8 +155,9 @@ def main(argv=None):
         summary["evals"][gamma] = [r.__dict__ for r in res["results"]]
         print((out / f"gamma{gamma}" / "results.md").read_text())
     if args.gammas:
-        summary["static_lengths"] = static_lengths(cfg, tgt, groups.get(15, {}), corpus,
-                                                   [int(x) for x in args.gammas.split(",")])
+        summary["static_lengths"] = static_lengths(
+            cfg, tgt, groups.get(15, {}), corpus, [int(x) for x in args.gammas.split(",")]
+        )
     print(ratio_table(summary["evals"].get(7, [])))
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
 
@@ -151,24 +170,47 @@ def static_lengths(cfg, tgt, drafters: dict, corpus, lengths: list[int]) -> list
         prompts = evaluation.prompts_for(cfg, corpus, dom, "heldout", cfg.eval.prompts_per_domain, tgt.tokenizer)
         for name, d in drafters.items():
             for ell in lengths:
-                reqs = evaluation.decode(tgt.model, d, prompts, sp, 15, cfg.eval.max_new_tokens, tgt.eos_token_ids,
-                                         cfg.eval.seed, policy=lambda s, R, g, ell=ell: [ell] * R)
+                reqs = evaluation.decode(
+                    tgt.model,
+                    d,
+                    prompts,
+                    sp,
+                    15,
+                    cfg.eval.max_new_tokens,
+                    tgt.eos_token_ids,
+                    cfg.eval.seed,
+                    policy=lambda s, R, g, ell=ell: [ell] * R,
+                )
                 r = evaluation.summarize(name, dom, sp, 15, reqs)
-                rows.append({"drafter": name, "domain": dom, "verify_len": ell, "tau": r.tau, "draft_ms": r.draft_ms,
-                             "verify_ms": r.verify_ms})
-                print(f"[static] {name} {dom} l={ell}: tau {r.tau:.3f} draft {r.draft_ms:.2f} ms "
-                      f"verify {r.verify_ms:.2f} ms")
+                rows.append(
+                    {
+                        "drafter": name,
+                        "domain": dom,
+                        "verify_len": ell,
+                        "tau": r.tau,
+                        "draft_ms": r.draft_ms,
+                        "verify_ms": r.verify_ms,
+                    }
+                )
+                print(
+                    f"[static] {name} {dom} l={ell}: tau {r.tau:.3f} draft {r.draft_ms:.2f} ms "
+                    f"verify {r.verify_ms:.2f} ms"
+                )
     return rows
 
 
 def ratio_table(rows: list[dict]) -> str:
     by = {(r["drafter"], r["domain"], r["temperature"]): r["tau"] for r in rows}
-    lines = ["| domain | T | " + " | ".join(sorted({r['drafter'] for r in rows if r['gamma']})) +
-             " | DSpark/DFlash (paper 1.16-1.18) | DSpark/EAGLE-3 (paper 1.27-1.31) |", ""]
+    lines = [
+        "| domain | T | "
+        + " | ".join(sorted({r["drafter"] for r in rows if r["gamma"]}))
+        + " | DSpark/DFlash (paper 1.16-1.18) | DSpark/EAGLE-3 (paper 1.27-1.31) |",
+        "",
+    ]
     lines[1] = "|" + "---|" * (len(lines[0].split("|")) - 2)
     for dom in ("code", "prose"):
         for t in sorted({r["temperature"] for r in rows}):
-            names = sorted({r['drafter'] for r in rows if r['gamma']})
+            names = sorted({r["drafter"] for r in rows if r["gamma"]})
             taus = [by.get((n, dom, t), float("nan")) for n in names]
             ds, df, ea = by.get(("dspark", dom, t)), by.get(("dflash", dom, t)), by.get(("eagle3", dom, t))
             r1 = f"{ds / df:.3f}" if ds and df else "-"

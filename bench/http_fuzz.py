@@ -18,6 +18,7 @@ is non-zero when one fails:
 Bounded: --requests in all, each with a 120 s timeout; no new request after --seconds, or once
 --concurrency requests have timed out (the server is stuck).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,14 +35,14 @@ from pathlib import Path
 import httpx
 import ray
 import torch
+from ray import serve
+
 from dspark import target as targets
 from dspark.config import ServeConfig, add_config_args, config_from_args, load_config, run_main
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.models import DrafterConfig, build_drafter, save_drafter
 from dspark.services import free_port
-from ray import serve
-
 from serving.app import OPEN_PATHS, run_local
 
 KEY = "fuzz-key"
@@ -52,26 +53,52 @@ GREEDY_PROMPT = "def add(a, b):\n"
 
 # -- the application
 
-def app_overrides(folder: Path, key: str = KEY, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
-                  max_tokens_default: int = 128) -> list[str]:
+
+def app_overrides(
+    folder: Path, key: str = KEY, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE, max_tokens_default: int = 128
+) -> list[str]:
     """The fuzz's serving settings: the drafter that start_app writes into `folder`, a free loopback port,
     a small batch and queue (requests queue), an API key, calibration refits after few rounds, and
     `max_tokens_default` tokens for requests that name no max_tokens."""
-    return [f"serve.drafter_uri={folder}", f"serve.port={free_port()}", "serve.gamma=4",
-            f"serve.max_batch={max_batch}", f"serve.max_queue={max_queue}", f"serve.api_key={key}",
-            "serve.sps_batches=[1,2,4,8,16]", "ray.num_cpus=2", "serve.calibration_min_rounds=20",
-            "serve.calibration_refit_every=20", f"serve.max_tokens_default={max_tokens_default}"]
+    return [
+        f"serve.drafter_uri={folder}",
+        f"serve.port={free_port()}",
+        "serve.gamma=4",
+        f"serve.max_batch={max_batch}",
+        f"serve.max_queue={max_queue}",
+        f"serve.api_key={key}",
+        "serve.sps_batches=[1,2,4,8,16]",
+        "ray.num_cpus=2",
+        "serve.calibration_min_rounds=20",
+        "serve.calibration_refit_every=20",
+        f"serve.max_tokens_default={max_tokens_default}",
+    ]
 
 
-def start_app(tgt, folder: Path, key: str = KEY, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
-              max_tokens_default: int = 128, cfg=None) -> str:
+def start_app(
+    tgt,
+    folder: Path,
+    key: str = KEY,
+    max_batch: int = MAX_BATCH,
+    max_queue: int = MAX_QUEUE,
+    max_tokens_default: int = 128,
+    cfg=None,
+) -> str:
     """The real application on a free loopback port, an untrained DSpark drafter (gamma 4) next to the
     target: exactness does not depend on the drafter's quality, and the scheduler sees real confidences.
     `cfg`: the application's configuration (default: the built-in target with app_overrides(folder, key,
     max_batch, max_queue, max_tokens_default)); its serve.drafter_uri must be `folder`. Returns its base URL."""
     torch.manual_seed(0)
-    c = DrafterConfig.from_target(tgt.config, "dspark", [1, 2, 3], tgt.mask_token_id, num_layers=1, gamma=4,
-                                  markov_rank=32, target={"weights_sha256": tgt.weights_sha256})
+    c = DrafterConfig.from_target(
+        tgt.config,
+        "dspark",
+        [1, 2, 3],
+        tgt.mask_token_id,
+        num_layers=1,
+        gamma=4,
+        markov_rank=32,
+        target={"weights_sha256": tgt.weights_sha256},
+    )
     save_drafter(build_drafter(c, tgt.model), folder)
     return run_local(cfg or load_config(overrides=app_overrides(folder, key, max_batch, max_queue, max_tokens_default)))
 
@@ -91,13 +118,59 @@ def plain_greedy(tgt, ids: list[int], n: int) -> str:
 
 # -- random requests
 
-TEXTS = ["def f(x):\n    return x", "x = ", "import os\n", "", " ", "héllo wörld ✓ 你好 🙂",
-         "\u202eabc\u0301\u200b", "\x00\x01\x7f", "\ud800 lone surrogate", "a" * 3000, "def g():\n" * 400]
-NUMBERS = [0, 1, -1, 0.5, 1e-40, 1e-8, 2.0, 7, 1e308, 2 ** 31, 2 ** 63 - 1, 2 ** 63, 2 ** 64, 2 ** 70, -2 ** 63,
-           float("nan"), float("inf"), float("-inf"), "1", "", None, True, False, [], {}]
-UNSUPPORTED = {"logprobs": [True, 5], "top_logprobs": [2], "presence_penalty": [0.5], "frequency_penalty": [-1.0],
-               "logit_bias": [{"1": 5}], "response_format": [{"type": "json_object"}],
-               "tools": [[{"type": "function"}]], "best_of": [2], "echo": [True], "suffix": ["}"], "n": [2, 0, 1.5]}
+TEXTS = [
+    "def f(x):\n    return x",
+    "x = ",
+    "import os\n",
+    "",
+    " ",
+    "héllo wörld ✓ 你好 🙂",
+    "\u202eabc\u0301\u200b",
+    "\x00\x01\x7f",
+    "\ud800 lone surrogate",
+    "a" * 3000,
+    "def g():\n" * 400,
+]
+NUMBERS = [
+    0,
+    1,
+    -1,
+    0.5,
+    1e-40,
+    1e-8,
+    2.0,
+    7,
+    1e308,
+    2**31,
+    2**63 - 1,
+    2**63,
+    2**64,
+    2**70,
+    -(2**63),
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    "1",
+    "",
+    None,
+    True,
+    False,
+    [],
+    {},
+]
+UNSUPPORTED = {
+    "logprobs": [True, 5],
+    "top_logprobs": [2],
+    "presence_penalty": [0.5],
+    "frequency_penalty": [-1.0],
+    "logit_bias": [{"1": 5}],
+    "response_format": [{"type": "json_object"}],
+    "tools": [[{"type": "function"}]],
+    "best_of": [2],
+    "echo": [True],
+    "suffix": ["}"],
+    "n": [2, 0, 1.5],
+}
 
 
 def pick(rng: random.Random, good: list, p_bad: float = 0.08):
@@ -112,10 +185,18 @@ def random_fields(rng: random.Random, chat: bool, model: str = MODEL) -> dict:
         body["messages"] = pick(rng, [[msg], [msg, {"role": "user", "content": "x"}]], 0.1)
     else:
         body["prompt"] = pick(rng, TEXTS, 0.1)
-    options = {"max_tokens": [1, 4, 16, 32], "temperature": [0, 0.7, 1.0, 2.0, 1e-40, 1e-6],
-               "top_p": [1.0, 0.9, 0.5, 1e-9], "top_k": [0, 1, 5, 50, 10 ** 9], "seed": [0, 1, 42, 2 ** 63 - 1],
-               "stop": ["\n", ["\n\n", "def"], [""], "x"], "model": [model] * 4 + ["gpt-4"],
-               "max_completion_tokens": [8], "user": ["u-1"], "metadata": [{"a": "b"}]}
+    options = {
+        "max_tokens": [1, 4, 16, 32],
+        "temperature": [0, 0.7, 1.0, 2.0, 1e-40, 1e-6],
+        "top_p": [1.0, 0.9, 0.5, 1e-9],
+        "top_k": [0, 1, 5, 50, 10**9],
+        "seed": [0, 1, 42, 2**63 - 1],
+        "stop": ["\n", ["\n\n", "def"], [""], "x"],
+        "model": [model] * 4 + ["gpt-4"],
+        "max_completion_tokens": [8],
+        "user": ["u-1"],
+        "metadata": [{"a": "b"}],
+    }
     for name, good in options.items():
         if rng.random() < 0.4:
             body[name] = pick(rng, good)
@@ -142,22 +223,43 @@ def random_case(rng: random.Random, key: str = KEY, model: str = MODEL) -> Case:
     case = Case(headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     if rng.random() < 0.05:
         case.key_ok = False
-        case.headers["Authorization"] = rng.choice(["", "Bearer", f"Bearer {key}x", f"bearer {key}", key,
-                                                    "Bearer " + "k" * len(key), b"Bearer \xff\xfe"])
+        case.headers["Authorization"] = rng.choice(
+            ["", "Bearer", f"Bearer {key}x", f"bearer {key}", key, "Bearer " + "k" * len(key), b"Bearer \xff\xfe"]
+        )
     if rng.random() < 0.05:
-        case.method, case.path = rng.choice([
-            ("GET", "/v1/models"), ("GET", "/v1/engine"), ("GET", "/health"), ("GET", "/v1/calibration"),
-            ("GET", "/v1/nothing"), ("GET", "/v1/completions"), ("POST", "/v1/models"),
-            ("DELETE", "/v1/chat/completions")])
+        case.method, case.path = rng.choice(
+            [
+                ("GET", "/v1/models"),
+                ("GET", "/v1/engine"),
+                ("GET", "/health"),
+                ("GET", "/v1/calibration"),
+                ("GET", "/v1/nothing"),
+                ("GET", "/v1/completions"),
+                ("POST", "/v1/models"),
+                ("DELETE", "/v1/chat/completions"),
+            ]
+        )
         return case
     chat = rng.random() < 0.4
     case.path = "/v1/chat/completions" if chat else "/v1/completions"
     shape = rng.random()
     if shape < 0.04:
-        case.content = rng.choice([b"{not json", b"", b"[]", b"null", b'"x"', b"{}", b"\xff\xfe\x00", b'{"prompt": "x"',
-                                   b'{"prompt": NaN}', b'{"max_tokens": Infinity, "prompt": "x"}'])
+        case.content = rng.choice(
+            [
+                b"{not json",
+                b"",
+                b"[]",
+                b"null",
+                b'"x"',
+                b"{}",
+                b"\xff\xfe\x00",
+                b'{"prompt": "x"',
+                b'{"prompt": NaN}',
+                b'{"max_tokens": Infinity, "prompt": "x"}',
+            ]
+        )
     elif shape < 0.06:
-        case.content = json.dumps({"prompt": "x" * rng.choice([2 ** 16, 2 ** 20]), "max_tokens": 1}).encode()  # huge
+        case.content = json.dumps({"prompt": "x" * rng.choice([2**16, 2**20]), "max_tokens": 1}).encode()  # huge
     elif shape < 0.08:
         case.headers["Content-Type"] = rng.choice(["text/plain", "application/x-www-form-urlencoded", ""])
         case.content = json.dumps({"prompt": "x"}).encode()
@@ -172,13 +274,19 @@ def random_case(rng: random.Random, key: str = KEY, model: str = MODEL) -> Case:
 
 # -- sending and judging
 
+
 async def send(client: httpx.AsyncClient, url: str, case: Case, rng: random.Random) -> str:
     """The outcome as a short label: the status, then for streams how they ended, or how the client left."""
     try:
         if case.drop == "queued":  # give up after a moment: usually while the request still waits for a slot
             try:
-                r = await client.request(case.method, url + case.path, headers=case.headers, content=case.content,
-                                         timeout=rng.uniform(0.01, 0.3))
+                r = await client.request(
+                    case.method,
+                    url + case.path,
+                    headers=case.headers,
+                    content=case.content,
+                    timeout=rng.uniform(0.01, 0.3),
+                )
                 return label(r)
             except httpx.TimeoutException:
                 return "client gave up"
@@ -189,7 +297,7 @@ async def send(client: httpx.AsyncClient, url: str, case: Case, rng: random.Rand
             events = []
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
-                    events.append(line[len("data: "):])
+                    events.append(line[len("data: ") :])
                     if case.drop == "stream":
                         return "stream dropped"
             return stream_label(events)
@@ -227,12 +335,18 @@ def unintended(outcome: str, case: Case) -> bool:
     a missing or wrong API key."""
     if not case.key_ok and case.path not in OPEN_PATHS and outcome not in ("401", "client gave up"):
         return True
-    return (outcome[0] == "5" and outcome != "503") or outcome in ("200 stream cut short", "timeout") or \
-        "non-JSON" in outcome or "server_error" in outcome or outcome.startswith("transport")
+    return (
+        (outcome[0] == "5" and outcome != "503")
+        or outcome in ("200 stream cut short", "timeout")
+        or "non-JSON" in outcome
+        or "server_error" in outcome
+        or outcome.startswith("transport")
+    )
 
 
-async def fuzz(url: str, key: str, requests: int, concurrency: int, seed: int, seconds: float,
-               model: str = MODEL) -> tuple[Counter, list]:
+async def fuzz(
+    url: str, key: str, requests: int, concurrency: int, seed: int, seconds: float, model: str = MODEL
+) -> tuple[Counter, list]:
     """`requests` random requests, `concurrency` at a time; none is started after `seconds`.
     Returns the outcome histogram and the unintended outcomes as (index, outcome, case)."""
     hist: Counter = Counter()
@@ -274,16 +388,21 @@ def engine_idle(url: str, key: str, timeout: float = 120.0) -> tuple[bool, dict]
 
 def greedy_matches(url: str, tgt, key: str, n: int = 24) -> bool:
     try:
-        r = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
-                       json={"prompt": GREEDY_PROMPT, "max_tokens": n, "temperature": 0})
+        r = httpx.post(
+            url + "/v1/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=120,
+            json={"prompt": GREEDY_PROMPT, "max_tokens": n, "temperature": 0},
+        )
     except httpx.TimeoutException:
         return False
     expected = plain_greedy(tgt, prompt_ids(tgt, GREEDY_PROMPT), n)
     return r.status_code == 200 and r.json()["choices"][0]["text"] == expected
 
 
-def run_checks(url: str, tgt, key: str, requests: int, concurrency: int, seed: int, seconds: float,
-               model: str = MODEL) -> dict[str, bool]:
+def run_checks(
+    url: str, tgt, key: str, requests: int, concurrency: int, seed: int, seconds: float, model: str = MODEL
+) -> dict[str, bool]:
     """The fuzz run and the checks after it (`model`: the served model name); prints the histogram and
     each check."""
     t0 = time.monotonic()
@@ -294,8 +413,12 @@ def run_checks(url: str, tgt, key: str, requests: int, concurrency: int, seed: i
     for i, outcome, case in bad[:20]:
         print(f"  unintended #{i}: {outcome}: {case.method} {case.path} {(case.content or b'')[:200]!r}")
     idle, state = engine_idle(url, key)
-    checks = {"all requests sent": hist["not sent"] == 0, "no unintended 5xx or auth bypass": not bad,
-              "engine idle, every KV slot free": idle, "greedy == target-only greedy": greedy_matches(url, tgt, key)}
+    checks = {
+        "all requests sent": hist["not sent"] == 0,
+        "no unintended 5xx or auth bypass": not bad,
+        "engine idle, every KV slot free": idle,
+        "greedy == target-only greedy": greedy_matches(url, tgt, key),
+    }
     print(f"engine state: { {k: state.get(k) for k in ('active', 'waiting', 'free_slots', 'max_batch')} }")
     for name, ok in checks.items():
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")
@@ -315,8 +438,16 @@ def main(argv=None) -> int:
         tgt = targets.load_from_config(cfg.target)
         url = start_app(tgt, Path(folder), cfg=cfg)
         try:
-            checks = run_checks(url, tgt, cfg.serve.api_key, args.requests, args.concurrency, args.seed, args.seconds,
-                                cfg.serve.model_name)
+            checks = run_checks(
+                url,
+                tgt,
+                cfg.serve.api_key,
+                args.requests,
+                args.concurrency,
+                args.seed,
+                args.seconds,
+                cfg.serve.model_name,
+            )
         finally:
             serve.shutdown()
             ray.shutdown()

@@ -18,6 +18,7 @@ concurrent requests through every verification policy with an SPS(B) table.
 Prints accepted tokens/s, mean verification budget per request and verified-token waste for
 R = 1, 2, 4, ..., 256 and every policy, and writes a PNG of throughput and budget vs R.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,6 +26,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+
 from dspark import evaluation, plots
 from dspark import target as targets
 from dspark.calibration import sts
@@ -44,16 +46,18 @@ def record(cfg, tgt, drafter_path: str, prompts_per_domain: int, max_new: int, g
     out = {}
     for dom in ("code", "prose"):
         prompts = evaluation.prompts_for(cfg, corpus, dom, "heldout", prompts_per_domain, tgt.tokenizer)
-        reqs = evaluation.decode(tgt.model, drafter, prompts, SamplingParams(1.0), gamma, max_new,
-                                 tgt.eos_token_ids, seed=0, calibration=cal)
+        reqs = evaluation.decode(
+            tgt.model, drafter, prompts, SamplingParams(1.0), gamma, max_new, tgt.eos_token_ids, seed=0, calibration=cal
+        )
         rounds = [r for q in reqs for r in q.rounds if r.survival is not None]
         out[dom] = {"survival": [r.survival for r in rounds], "accepted": [r.accepted for r in rounds]}
     out["calibration"] = cal.to_dict() if cal else None
     return out
 
 
-def replay(trace: dict, R: int, sps: SPSTable, policy: str, steps: int, seed: int = 0, static: int = 0,
-           threshold: float = 0.5) -> dict:
+def replay(
+    trace: dict, R: int, sps: SPSTable, policy: str, steps: int, seed: int = 0, static: int = 0, threshold: float = 0.5
+) -> dict:
     a_all = np.array(trace["survival"])
     n_all = np.array(trace["accepted"])
     rng = np.random.default_rng(seed)  # the same rounds for every policy (common random numbers)
@@ -70,8 +74,12 @@ def replay(trace: dict, R: int, sps: SPSTable, policy: str, steps: int, seed: in
         time_s += 1.0 / sps(int(R + ell.sum()))
         verified += float(ell.sum())
         wasted += float((ell - acc).sum())
-    return {"throughput": tokens / time_s, "budget": verified / (steps * R),
-            "waste": wasted / verified if verified else 0.0, "tokens_per_step": tokens / steps}
+    return {
+        "throughput": tokens / time_s,
+        "budget": verified / (steps * R),
+        "waste": wasted / verified if verified else 0.0,
+        "tokens_per_step": tokens / steps,
+    }
 
 
 def main(argv=None):
@@ -100,20 +108,30 @@ def main(argv=None):
         measured = profile(tgt.model, [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], repeats=5)
         measured.save(out / "sps_measured.json")
     tables = {"measured": measured, "smooth": SPSTable.synthetic("smooth"), "cliff": SPSTable.synthetic("cliff")}
-    pooled = {"survival": trace["code"]["survival"] + trace["prose"]["survival"],
-              "accepted": trace["code"]["accepted"] + trace["prose"]["accepted"]}
+    pooled = {
+        "survival": trace["code"]["survival"] + trace["prose"]["survival"],
+        "accepted": trace["code"]["accepted"] + trace["prose"]["accepted"],
+    }
     Rs = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    names = (["none"] + [f"static{ell}" for ell in range(1, args.gamma + 1)]
-             + ["threshold0.3", "threshold0.5", "greedy", "async"])
+    names = (
+        ["none"]
+        + [f"static{ell}" for ell in range(1, args.gamma + 1)]
+        + ["threshold0.3", "threshold0.5", "greedy", "async"]
+    )
     results: dict = {}
-    print(f"scheduler_sim: {len(pooled['accepted'])} recorded rounds (code {len(trace['code']['accepted'])}, prose "
-          f"{len(trace['prose']['accepted'])}), gamma {args.gamma}, {args.steps} steps per point, accepted tokens/s = "
-          f"sum(min(n, l) + 1) * SPS(B)")
+    print(
+        f"scheduler_sim: {len(pooled['accepted'])} recorded rounds (code {len(trace['code']['accepted'])}, prose "
+        f"{len(trace['prose']['accepted'])}), gamma {args.gamma}, {args.steps} steps per point, accepted tokens/s = "
+        f"sum(min(n, l) + 1) * SPS(B)"
+    )
     for tname, sps in tables.items():
         results[tname] = {}
         print(f"\n== SPS table: {tname} (SPS(1) = {sps(1):.1f}, SPS(64) = {sps(64):.1f}, SPS(256) = {sps(256):.1f})")
-        print("| R | " + " | ".join(["none", "best static", "thr 0.5", "greedy (Alg. 1)", "async"]) +
-              " | greedy/best static | async/best static | budget greedy | budget async | waste greedy |")
+        print(
+            "| R | "
+            + " | ".join(["none", "best static", "thr 0.5", "greedy (Alg. 1)", "async"])
+            + " | greedy/best static | async/best static | budget greedy | budget async | waste greedy |"
+        )
         print("|---|" + "---|" * 10)
         for R in Rs:
             row = {}
@@ -128,10 +146,12 @@ def main(argv=None):
             best = max((n for n in names if n.startswith("static")), key=lambda n: row[n]["throughput"])
             results[tname][R] = {**row, "best_static": best}
             th = {k: v["throughput"] for k, v in row.items()}
-            print(f"| {R} | {th['none']:.1f} | {th[best]:.1f} ({best}) | {th['threshold0.5']:.1f} | "
-                  f"{th['greedy']:.1f} | {th['async']:.1f} | {th['greedy'] / th[best]:.3f} | "
-                  f"{th['async'] / th[best]:.3f} | "
-                  f"{row['greedy']['budget']:.2f} | {row['async']['budget']:.2f} | {row['greedy']['waste']:.2f} |")
+            print(
+                f"| {R} | {th['none']:.1f} | {th[best]:.1f} ({best}) | {th['threshold0.5']:.1f} | "
+                f"{th['greedy']:.1f} | {th['async']:.1f} | {th['greedy'] / th[best]:.3f} | "
+                f"{th['async'] / th[best]:.3f} | "
+                f"{row['greedy']['budget']:.2f} | {row['async']['budget']:.2f} | {row['greedy']['waste']:.2f} |"
+            )
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, Rs, out / "scheduler_sim.png")
     print(f"\n[sim] {out}/results.json, {out}/scheduler_sim.png")

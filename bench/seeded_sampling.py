@@ -5,6 +5,7 @@ conditional acceptance per position for both; prints, never asserts.
 
     python bench/seeded_sampling.py --drafter URI [--prompts 16] [--max-new 96] [--set target.dtype=bfloat16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,9 @@ def main(argv=None):
     cfg = config_from_args(args)
     tgt = targets.load_from_config(cfg.target)
     with tempfile.TemporaryDirectory() as d:
-        drafter = load_drafter(Storage.from_config(cfg.storage).download_dir(args.drafter, Path(d)), tgt.model,
-                               tgt.weights_sha256)
+        drafter = load_drafter(
+            Storage.from_config(cfg.storage).download_dir(args.drafter, Path(d)), tgt.model, tgt.weights_sha256
+        )
     gamma = cfg.eval.gamma or drafter.c.gamma
     corpus = Corpus.load(cfg.corpus)
     print("| domain | sampling | rounds | tau | conditional acceptance by position |\n|---|---|---|---|---|")
@@ -39,8 +41,12 @@ def main(argv=None):
         prompts = evaluation.prompts_for(cfg, corpus, domain, "heldout", args.prompts, tgt.tokenizer)
         for name, reproducible in (("rejection", False), ("seeded (Gumbel-max)", True)):
             dec = SpeculativeDecoder(tgt.model, drafter, gamma=gamma, max_slots=1)
-            reqs = dec.run([Request(q, SamplingParams(1.0), args.max_new, i, tgt.eos_token_ids,
-                                    reproducible=reproducible) for i, q in enumerate(prompts)])
+            reqs = dec.run(
+                [
+                    Request(q, SamplingParams(1.0), args.max_new, i, tgt.eos_token_ids, reproducible=reproducible)
+                    for i, q in enumerate(prompts)
+                ]
+            )
             cond, _ = evaluation.acceptance(reqs, gamma)
             rounds = sum(len(r.rounds) for r in reqs)
             tau = sum(x.accepted + 1 for r in reqs for x in r.rounds) / rounds

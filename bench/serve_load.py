@@ -13,6 +13,7 @@ both. Each user sends the built-in corpus's held-out code and prose prompts, as 
 another (T=1, max_tokens 64) for --seconds or --requests per user, whichever ends first. Writes a
 table and a throughput vs per-user speed PNG (the paper's Fig. 7 shape).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,14 +24,14 @@ import time
 from pathlib import Path
 
 import httpx
+from ray import serve
+
 from dspark import plots
 from dspark.config import add_config_args, config_from_args, load_config, run_main
 from dspark.corpus.conversations import spread
 from dspark.corpus.examples import split_examples
 from dspark.corpus.sources import Corpus
 from dspark.services import free_port
-from ray import serve
-
 from serving.app import run_local
 
 
@@ -38,8 +39,10 @@ async def user(client, url, prompts, deadline, max_requests, max_tokens, out):
     i = 0
     while time.perf_counter() < deadline and i < max_requests:
         t0 = time.perf_counter()
-        r = await client.post(url + "/v1/completions", json={"prompt": prompts[i % len(prompts)],
-                                                              "max_tokens": max_tokens, "temperature": 1.0, "seed": i})
+        r = await client.post(
+            url + "/v1/completions",
+            json={"prompt": prompts[i % len(prompts)], "max_tokens": max_tokens, "temperature": 1.0, "seed": i},
+        )
         dt = time.perf_counter() - t0
         if r.status_code == 200:
             body = r.json()
@@ -51,14 +54,22 @@ async def load(url, prompts, users, seconds, max_requests, max_tokens):
     out: list = []
     async with httpx.AsyncClient(timeout=600) as client:
         t0 = time.perf_counter()
-        await asyncio.gather(*(user(client, url, prompts[u::users] or prompts, t0 + seconds, max_requests, max_tokens,
-                                    out) for u in range(users)))
+        await asyncio.gather(
+            *(
+                user(client, url, prompts[u::users] or prompts, t0 + seconds, max_requests, max_tokens, out)
+                for u in range(users)
+            )
+        )
         wall = time.perf_counter() - t0
     lat = sorted(x[0] for x in out)
-    return {"requests": len(out), "tok_s": sum(x[1] for x in out) / wall,
-            "per_user_tok_s": statistics.mean(x[1] / x[0] for x in out),
-            "p50": lat[len(lat) // 2], "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
-            "budget": statistics.mean(x[2] for x in out)}
+    return {
+        "requests": len(out),
+        "tok_s": sum(x[1] for x in out) / wall,
+        "per_user_tok_s": statistics.mean(x[1] / x[0] for x in out),
+        "p50": lat[len(lat) // 2],
+        "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+        "budget": statistics.mean(x[2] for x in out),
+    }
 
 
 def main(argv=None):
@@ -72,36 +83,51 @@ def main(argv=None):
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     corpus = Corpus.load(cfg.corpus)
-    prompts = [e.prompt for d in ("code", "prose")
-               for e in spread(split_examples(corpus, d, "heldout", cfg.corpus), 32)]
+    prompts = [
+        e.prompt for d in ("code", "prose") for e in spread(split_examples(corpus, d, "heldout", cfg.corpus), 32)
+    ]
     conc = [int(c) for c in args.concurrency.split(",")]
-    modes = {"target-only": ["serve.policy=none"], "static gamma=4": ["serve.policy=static", "serve.static_len=4"],
-             "dspark adaptive": ["serve.policy=greedy"],
-             "dspark adaptive, drafting every round": ["serve.policy=greedy", "serve.idle_probe_rounds=0"]}
+    modes = {
+        "target-only": ["serve.policy=none"],
+        "static gamma=4": ["serve.policy=static", "serve.static_len=4"],
+        "dspark adaptive": ["serve.policy=greedy"],
+        "dspark adaptive, drafting every round": ["serve.policy=greedy", "serve.idle_probe_rounds=0"],
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
     port = free_port()  # Serve's HTTP proxy keeps the port it started with: one port for every mode
     for mode, extra in modes.items():
-        ov = [f"serve.drafter_uri={args.drafter}", f"serve.port={port}", f"serve.max_batch={max(conc)}",
-              f"serve.max_queue={2 * max(conc)}", "serve.calibration=false", "ray.num_cpus=2", *extra]
+        ov = [
+            f"serve.drafter_uri={args.drafter}",
+            f"serve.port={port}",
+            f"serve.max_batch={max(conc)}",
+            f"serve.max_queue={2 * max(conc)}",
+            "serve.calibration=false",
+            "ray.num_cpus=2",
+            *extra,
+        ]
         url = run_local(load_config(args.config, [*ov, *args.overrides]))  # the user's --set over the mode's
         asyncio.run(load(url, prompts, 1, 5, 2, 16))  # warm-up
         results[mode] = {}
         for c in conc:
             results[mode][c] = asyncio.run(load(url, prompts, c, args.seconds, args.requests, args.max_tokens))
             r = results[mode][c]
-            print(f"{mode:38s} C={c:3d}: {r['tok_s']:7.1f} tok/s total, {r['per_user_tok_s']:6.1f} tok/s per user, "
-                  f"p50 {r['p50']:.2f}s p99 {r['p99']:.2f}s, budget {r['budget']:.2f} ({r['requests']} requests)",
-                  flush=True)
+            print(
+                f"{mode:38s} C={c:3d}: {r['tok_s']:7.1f} tok/s total, {r['per_user_tok_s']:6.1f} tok/s per user, "
+                f"p50 {r['p50']:.2f}s p99 {r['p99']:.2f}s, budget {r['budget']:.2f} ({r['requests']} requests)",
+                flush=True,
+            )
         serve.delete("dspark")
     serve.shutdown()
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     print("\n| mode | C | tok/s | tok/s per user | p50 s | p99 s | mean budget |\n|---|---|---|---|---|---|---|")
     for mode, rows in results.items():
         for c, r in rows.items():
-            print(f"| {mode} | {c} | {r['tok_s']:.1f} | {r['per_user_tok_s']:.1f} | {r['p50']:.2f} | {r['p99']:.2f} | "
-                  f"{r['budget']:.2f} |")
+            print(
+                f"| {mode} | {c} | {r['tok_s']:.1f} | {r['per_user_tok_s']:.1f} | {r['p50']:.2f} | {r['p99']:.2f} | "
+                f"{r['budget']:.2f} |"
+            )
     plot(results, out / "serve_load.png")
     print(f"\n[load] {out}/results.json, {out}/serve_load.png; loopback HTTP, T=1, max_tokens {args.max_tokens}")
 

@@ -5,6 +5,7 @@ k tokens cost about one, speculation pays). Prints what it measured (medians), n
 
     python bench/target_speed.py --config configs/smollm2.yaml [--dtypes float32,bfloat16] [--context 256]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,6 +13,7 @@ import tempfile
 import time
 
 import torch
+
 from dspark import evaluation
 from dspark import target as targets
 from dspark.config import add_config_args, config_from_args, run_main
@@ -43,12 +45,15 @@ def first_turns(cfg, tgt, n: int) -> list[list[int]]:
     (the built-in corpus's held-out prompts when no set is named)."""
     if not cfg.eval.prompt_sets:
         corpus = Corpus.load(cfg.corpus)
-        return [q for d in ("code", "prose")
-                for q in evaluation.prompts_for(cfg, corpus, d, "heldout", n, tgt.tokenizer)]
+        return [
+            q for d in ("code", "prose") for q in evaluation.prompts_for(cfg, corpus, d, "heldout", n, tgt.tokenizer)
+        ]
     storage = Storage.from_config(cfg.storage)
     convs = [c for uri in cfg.eval.prompt_sets.values() for c in load_jsonl(uri, storage).conversations]
-    return [chat_ids(tgt.tokenizer, c.messages([]), chat_template_kwargs=cfg.target.chat_template_kwargs)
-            for c in spread(convs, n)]
+    return [
+        chat_ids(tgt.tokenizer, c.messages([]), chat_template_kwargs=cfg.target.chat_template_kwargs)
+        for c in spread(convs, n)
+    ]
 
 
 def decode_tps(model, prompts: list[list[int]], batch: int, max_new: int, eos) -> float:
@@ -76,22 +81,35 @@ def main(argv=None):
         load_times(cfg)
     batches = [int(b) for b in args.batches.split(",")]
     ks = [1, 2, 4, 8]
-    print(f"torch threads {torch.get_num_threads()}; {args.max_new} new tokens per request; "
-          f"verify cost at a {args.context}-token context, median of {args.repeats}\n")
-    print("| dtype | " + " | ".join(f"tok/s batch {b}" for b in batches) + " | "
-          + " | ".join(f"verify {k} / verify 1" for k in ks[1:]) + " | verify 1 ms |")
+    print(
+        f"torch threads {torch.get_num_threads()}; {args.max_new} new tokens per request; "
+        f"verify cost at a {args.context}-token context, median of {args.repeats}\n"
+    )
+    print(
+        "| dtype | "
+        + " | ".join(f"tok/s batch {b}" for b in batches)
+        + " | "
+        + " | ".join(f"verify {k} / verify 1" for k in ks[1:])
+        + " | verify 1 ms |"
+    )
     print("|---" * (len(batches) + len(ks) + 1) + "|")
     for dtype in args.dtypes.split(","):
         cfg.target.dtype = dtype
         tgt = targets.load_from_config(cfg.target)
         prompts = first_turns(cfg, tgt, max(batches))
-        prompts = (prompts * (max(batches) // len(prompts) + 1))[:max(batches)]
+        prompts = (prompts * (max(batches) // len(prompts) + 1))[: max(batches)]
         decode_tps(tgt.model, prompts, 1, 4, ())  # warm-up
         tps = [decode_tps(tgt.model, prompts, b, args.max_new, ()) for b in batches]
         sps = profile(tgt.model, ks, context=args.context, repeats=args.repeats, max_requests=1)  # batch 1
         cost = {k: 1 / sps(k) for k in ks}  # seconds per forward of k new tokens
-        print(f"| {dtype} | " + " | ".join(f"{x:.1f}" for x in tps) + " | "
-              + " | ".join(f"{cost[k] / cost[1]:.2f}" for k in ks[1:]) + f" | {1000 * cost[1]:.1f} |", flush=True)
+        print(
+            f"| {dtype} | "
+            + " | ".join(f"{x:.1f}" for x in tps)
+            + " | "
+            + " | ".join(f"{cost[k] / cost[1]:.2f}" for k in ks[1:])
+            + f" | {1000 * cost[1]:.1f} |",
+            flush=True,
+        )
         del tgt
 
 

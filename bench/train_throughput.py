@@ -13,6 +13,7 @@ The drafter and the target are the configured ones (train.*, target.*; the cache
 target's). Needs the object store (infra/local/start.sh objectstore) and a cache (make demo builds
 s3://dspark/quickstart/caches/builtin).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,6 +23,7 @@ import time
 
 import mlflow
 import ray
+
 from dspark import services
 from dspark.cluster import init_ray
 from dspark.config import add_config_args, config_from_args, load_config, run_main
@@ -29,21 +31,36 @@ from dspark.train import distributed
 
 
 def bench_defaults(cache: str) -> list[str]:
-    return [f"cache.uri={cache}", "storage.root=s3://dspark/bench", "train.micro_batch=2", "train.global_batch=8",
-            "ray.num_cpus=2"]
+    return [
+        f"cache.uri={cache}",
+        "storage.root=s3://dspark/bench",
+        "train.micro_batch=2",
+        "train.global_batch=8",
+        "ray.num_cpus=2",
+    ]
 
 
 def run(args, varied: list[str], in_memory: bool) -> dict:
     """One short training run: the bench's and the user's settings (args), then what this run varies,
     a fresh run name and --steps steps."""
     name, steps = f"bench-{time.time_ns()}", args.steps
-    cfg = load_config(args.config, [*args.overrides, *varied, f"train.run_name={name}", f"train.max_steps={steps}",
-                                    f"train.checkpoint_every={steps}", "train.evaluate=false"])
+    cfg = load_config(
+        args.config,
+        [
+            *args.overrides,
+            *varied,
+            f"train.run_name={name}",
+            f"train.max_steps={steps}",
+            f"train.checkpoint_every={steps}",
+            "train.evaluate=false",
+        ],
+    )
     res = distributed.fit(cfg, log=lambda *_: None, in_memory=in_memory)
     client = mlflow.MlflowClient(cfg.mlflow.tracking_uri)
-    series = {k: [m.value for m in sorted(client.get_metric_history(res["run_id"], f"train.{k}"),
-                                          key=lambda m: m.step)][2:]
-              for k in ("tokens_per_s", "data_wait_frac", "step_s", "peak_rss_mb")}
+    series = {
+        k: [m.value for m in sorted(client.get_metric_history(res["run_id"], f"train.{k}"), key=lambda m: m.step)][2:]
+        for k in ("tokens_per_s", "data_wait_frac", "step_s", "peak_rss_mb")
+    }
     return {k: (statistics.median(v) if k != "peak_rss_mb" else max(v)) for k, v in series.items() if v}
 
 
@@ -66,14 +83,18 @@ def main(argv=None):
         rows.append((f"2 workers, ZeRO-{stage}, s3 stream", 2, r))
     ray.shutdown()
     tc = cfg.train
-    print(f"train_throughput: {tc.drafter} {tc.num_layers}-layer drafter on target {cfg.target.name_or_path}, "
-          f"micro-batch {tc.micro_batch}, global batch {tc.global_batch}, {args.steps} steps per run (median of "
-          f"steps 3..), {os.cpu_count()} CPUs, {tc.threads_per_worker} torch thread(s) per worker")
+    print(
+        f"train_throughput: {tc.drafter} {tc.num_layers}-layer drafter on target {cfg.target.name_or_path}, "
+        f"micro-batch {tc.micro_batch}, global batch {tc.global_batch}, {args.steps} steps per run (median of "
+        f"steps 3..), {os.cpu_count()} CPUs, {tc.threads_per_worker} torch thread(s) per worker"
+    )
     print("| configuration | tokens/s total | tokens/s per worker | data-wait | step s | peak worker RSS MB |")
     print("|---|---|---|---|---|---|")
     for label, w, r in rows:
-        print(f"| {label} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / w:.0f} | {r['data_wait_frac']:.1%} | "
-              f"{r['step_s']:.2f} | {r['peak_rss_mb']:.0f} |")
+        print(
+            f"| {label} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / w:.0f} | {r['data_wait_frac']:.1%} | "
+            f"{r['step_s']:.2f} | {r['peak_rss_mb']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Puts the in-repo library on sys.path, so jobs run from a plain checkout (e.g. a Ray job's
 working_dir) as well as from an installed package."""
+
 import sys
 from pathlib import Path
 

@@ -10,12 +10,13 @@ an interrupted build.
 The target regenerates responses to the corpus prompts; one forward per sequence captures the
 tapped layers; shards are published atomically and manifest.json last. Stats go to MLflow.
 """
+
 import argparse
 
 import _bootstrap  # noqa: F401
+
 # Heavy parts of the library (torch, Ray, DeepSpeed) are imported inside the functions that use them,
 # after the arguments are parsed: --help and a bad setting answer at once.
-
 from dspark.config import add_config_args, config_from_args, run_main
 
 
@@ -37,8 +38,15 @@ def main(argv=None):
         else:
             init_ray(cfg)
             m = build_cache(cfg, tracker)
-        tracker.metrics({"cache.rows": m.rows, "cache.tokens": m.tokens, "cache.bytes": m.bytes,
-                         "cache.bytes_per_token": m.bytes / max(m.tokens, 1)}, len(m.shards))
+        tracker.metrics(
+            {
+                "cache.rows": m.rows,
+                "cache.tokens": m.tokens,
+                "cache.bytes": m.bytes,
+                "cache.bytes_per_token": m.bytes / max(m.tokens, 1),
+            },
+            len(m.shards),
+        )
         tracker.params({"cache.uri_resolved": cache_uri(cfg), "cache.layers_resolved": m.layers})
 
 

@@ -8,20 +8,23 @@ drafters with a confidence head. Writes JSON + markdown + PNG to eval.out_dir an
 A drafter given by URI is copied locally first (a few MB); calibration.json is written next to a
 local drafter when STS is fitted (`--no-calibrate` skips it).
 """
+
 import argparse
 import sys
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
+
 # Heavy parts of the library (torch, Ray, DeepSpeed) are imported inside the functions that use them,
 # after the arguments are parsed: --help and a bad setting answer at once.
-
 from dspark.config import add_config_args, config_from_args, run_main
 
 
 def main(argv=None):
     p = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    p.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH", help="drafter to evaluate (repeatable)")
+    p.add_argument(
+        "--drafter", action="append", default=[], metavar="NAME=PATH", help="drafter to evaluate (repeatable)"
+    )
     p.add_argument("--no-calibrate", action="store_true", help="do not fit STS temperatures")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
@@ -49,14 +52,20 @@ def main(argv=None):
             print(f"[eval] {name}: has a {sts.FILE}; refitting it on validation prompts")
     out = Path(cfg.eval.out_dir)
     with tracking.run(cfg, "evaluate") as tracker:
-        tracker.params({**{k: v for k, v in cfg.flat().items() if k.startswith(("eval.", "target."))},
-                        **{f"drafter.{k}": v for k, v in paths.items()}})
+        tracker.params(
+            {
+                **{k: v for k, v in cfg.flat().items() if k.startswith(("eval.", "target."))},
+                **{f"drafter.{k}": v for k, v in paths.items()},
+            }
+        )
         res = evaluation.evaluate(cfg, tgt, drafters, Corpus.load(cfg.corpus), out, calibrate=not args.no_calibrate)
         evaluation.save_calibrations(res, paths)
         evaluation.log_results(tracker, res, out)
     sys.stdout.write((out / "results.md").read_text())
-    print(f"[eval] results in {out} (results.json, results.md, conditional acceptance, reliability and "
-          "threshold-sweep PNGs)")
+    print(
+        f"[eval] results in {out} (results.json, results.md, conditional acceptance, reliability and "
+        "threshold-sweep PNGs)"
+    )
 
 
 if __name__ == "__main__":

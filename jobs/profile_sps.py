@@ -7,13 +7,14 @@ device, and save the table (with hardware info) for the scheduler:
 
 Serving loads such a table with --set serve.sps_table=FILE (production hardware profiled elsewhere).
 """
+
 import argparse
 import json
 
 import _bootstrap  # noqa: F401
+
 # Heavy parts of the library (torch, Ray, DeepSpeed) are imported inside the functions that use them,
 # after the arguments are parsed: --help and a bad setting answer at once.
-
 from dspark.config import add_config_args, config_from_args, run_main
 
 

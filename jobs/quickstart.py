@@ -12,6 +12,7 @@ Stages:
   eval    offline evaluation of the drafter (tau, acceptance, speedup, STS calibration)
   serve   serve target + drafter with Ray Serve and send one OpenAI-style request
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,9 @@ import os
 import time
 
 import _bootstrap  # noqa: F401
+
 # Heavy parts of the library (torch, Ray, DeepSpeed) are imported inside the functions that use them,
 # after the arguments are parsed: --help and a bad setting answer at once.
-
 from dspark.artifacts import cache_uri, drafter_uri
 from dspark.config import Config, add_config_args, config_from_args, run_main
 
@@ -38,9 +39,11 @@ def stage_target(cfg: Config, storage, tracker) -> dict:
     tgt = targets.load_from_config(cfg.target)
     card = targets.card(tgt.path)
     n_params = sum(p.numel() for p in tgt.model.parameters())
-    print(f"[target] {tgt.path}: {type(tgt.model).__name__}, {n_params / 1e6:.2f} M parameters, "
-          f"{tgt.config.num_hidden_layers} layers, vocab {tgt.config.vocab_size} "
-          f"(loaded in {time.perf_counter() - t0:.1f}s)")
+    print(
+        f"[target] {tgt.path}: {type(tgt.model).__name__}, {n_params / 1e6:.2f} M parameters, "
+        f"{tgt.config.num_hidden_layers} layers, vocab {tgt.config.vocab_size} "
+        f"(loaded in {time.perf_counter() - t0:.1f}s)"
+    )
     corpus = Corpus.load(cfg.corpus)
     report = {"target": tgt.path, "parameters": n_params, "heldout": {}}
     for domain in DOMAINS:
@@ -48,11 +51,17 @@ def stage_target(cfg: Config, storage, tracker) -> dict:
         seqs = quality.example_ids(tgt.tokenizer, exs, tgt.config.max_position_embeddings)
         q = quality.lm_quality(tgt.model, seqs, tgt.tokenizer.pad_token_id)
         base = card.get("heldout", {}).get(domain, {})
-        report["heldout"][domain] = {**q, "examples": len(exs), "unigram_ppl": base.get("unigram_ppl"),
-                                     "unigram_top1": base.get("unigram_top1")}
-        print(f"[target] held-out {domain:5s}: perplexity {q['ppl']:7.1f}  top-1 {q['top1']:6.1%}  "
-              f"({q['tokens']:,} tokens of {len(exs)} examples; unigram baseline: perplexity "
-              f"{base.get('unigram_ppl', float('nan')):.1f}, top-1 {base.get('unigram_top1', float('nan')):.1%})")
+        report["heldout"][domain] = {
+            **q,
+            "examples": len(exs),
+            "unigram_ppl": base.get("unigram_ppl"),
+            "unigram_top1": base.get("unigram_top1"),
+        }
+        print(
+            f"[target] held-out {domain:5s}: perplexity {q['ppl']:7.1f}  top-1 {q['top1']:6.1%}  "
+            f"({q['tokens']:,} tokens of {len(exs)} examples; unigram baseline: perplexity "
+            f"{base.get('unigram_ppl', float('nan')):.1f}, top-1 {base.get('unigram_top1', float('nan')):.1%})"
+        )
         tracker.metrics({f"target.{domain}.ppl": q["ppl"], f"target.{domain}.top1": q["top1"]}, 0)
     prompts = [ex.prompt for d in DOMAINS for ex in split_examples(corpus, d, "heldout", cfg.corpus)[:2]]
     report["greedy"] = []
@@ -70,9 +79,11 @@ def stage_cache(cfg: Config, storage, tracker) -> dict:
     init_ray(cfg)
     m = build_cache(cfg, tracker)
     est = estimate_bytes(m.hidden_size, len(m.layers), m.tokens, m.codec, rows=m.rows)
-    print(f"[cache] {cache_uri(cfg)}: {m.rows} rows, {m.tokens:,} tokens, {m.bytes / 2**20:.1f} MiB, "
-          f"{m.bytes / max(m.tokens, 1):,.0f} bytes/token ({m.codec}); size estimate {est / 2**20:.1f} MiB "
-          f"({(est - m.bytes) / m.bytes:+.1%})")
+    print(
+        f"[cache] {cache_uri(cfg)}: {m.rows} rows, {m.tokens:,} tokens, {m.bytes / 2**20:.1f} MiB, "
+        f"{m.bytes / max(m.tokens, 1):,.0f} bytes/token ({m.codec}); size estimate {est / 2**20:.1f} MiB "
+        f"({(est - m.bytes) / m.bytes:+.1%})"
+    )
     return {"uri": cache_uri(cfg), "rows": m.rows, "tokens": m.tokens, "bytes": m.bytes, "estimate": est}
 
 
@@ -83,10 +94,17 @@ def stage_train(cfg: Config, storage, tracker) -> dict:
     init_ray(cfg)
     res = distributed.fit(cfg)
     m = res["metrics"] or {}
-    print(f"[train] {res['name']}: {res['steps']} steps, loss {m.get('loss', float('nan')):.3f}, expected tau "
-          f"{m.get('expected_tau', float('nan')):.2f}, drafter at {res['out_uri']} (MLflow run {res['run_id']})")
-    return {"out_uri": res["out_uri"], "run_id": res["run_id"], "steps": res["steps"],
-            "loss": m.get("loss"), "expected_tau": m.get("expected_tau")}
+    print(
+        f"[train] {res['name']}: {res['steps']} steps, loss {m.get('loss', float('nan')):.3f}, expected tau "
+        f"{m.get('expected_tau', float('nan')):.2f}, drafter at {res['out_uri']} (MLflow run {res['run_id']})"
+    )
+    return {
+        "out_uri": res["out_uri"],
+        "run_id": res["run_id"],
+        "steps": res["steps"],
+        "loss": m.get("loss"),
+        "expected_tau": m.get("expected_tau"),
+    }
 
 
 def stage_eval(cfg: Config, storage, tracker) -> dict:
@@ -128,9 +146,11 @@ def stage_serve(cfg: Config, storage, tracker) -> dict:
     prompt = "def read_lines(path):\n"
     r = client.completions.create(model=cfg.serve.model_name, prompt=prompt, max_tokens=48, temperature=0)
     s = r.model_extra["speculative"]
-    print(f"[serve] POST {url}/v1/completions {{prompt: {prompt!r}, max_tokens: 48, temperature: 0}}\n"
-          f"{prompt}{r.choices[0].text}\n[serve] {r.usage.completion_tokens} tokens in {s['rounds']} rounds "
-          f"(mean tau {s['mean_tau']:.2f}, mean verification length {s['mean_verify_len']:.2f})")
+    print(
+        f"[serve] POST {url}/v1/completions {{prompt: {prompt!r}, max_tokens: 48, temperature: 0}}\n"
+        f"{prompt}{r.choices[0].text}\n[serve] {r.usage.completion_tokens} tokens in {s['rounds']} rounds "
+        f"(mean tau {s['mean_tau']:.2f}, mean verification length {s['mean_verify_len']:.2f})"
+    )
     serve.shutdown()
     return {"url": url, "text": r.choices[0].text, "speculative": s}
 
@@ -138,12 +158,26 @@ def stage_serve(cfg: Config, storage, tracker) -> dict:
 STAGES = {"target": stage_target, "cache": stage_cache, "train": stage_train, "eval": stage_eval, "serve": stage_serve}
 
 # Embedded defaults of the demo: small enough to finish in minutes on 2 CPU cores (--set overrides them).
-DEMO_DEFAULTS = ["cache.max_examples=256", "cache.shard_rows=32", "cache.max_new_tokens=96", "cache.num_actors=2",
-                 "ray.num_cpus=2", "train.run_name=quickstart", "train.num_workers=2", "train.zero_stage=2",
-                 "train.max_steps=200", "train.global_batch=8", "train.micro_batch=2", "train.lr=2e-3",
-                 "train.checkpoint_every=50", "eval.prompts_per_domain=6", "eval.max_new_tokens=48",
-                 "eval.calibration_prompts_per_domain=12", "eval.calibration_max_new_tokens=64",
-                 "serve.sps_batches=[1,2,4,8,16]"]
+DEMO_DEFAULTS = [
+    "cache.max_examples=256",
+    "cache.shard_rows=32",
+    "cache.max_new_tokens=96",
+    "cache.num_actors=2",
+    "ray.num_cpus=2",
+    "train.run_name=quickstart",
+    "train.num_workers=2",
+    "train.zero_stage=2",
+    "train.max_steps=200",
+    "train.global_batch=8",
+    "train.micro_batch=2",
+    "train.lr=2e-3",
+    "train.checkpoint_every=50",
+    "eval.prompts_per_domain=6",
+    "eval.max_new_tokens=48",
+    "eval.calibration_prompts_per_domain=12",
+    "eval.calibration_max_new_tokens=64",
+    "serve.sps_batches=[1,2,4,8,16]",
+]
 
 
 def main(argv=None):
@@ -187,8 +221,10 @@ def main(argv=None):
             fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
             with fs.open_output_stream(path) as f:
                 f.write(json.dumps(report, indent=2).encode())
-            print(f"[quickstart] report written to {Storage.join(cfg.storage.root, 'report.json')}; "
-                  f"MLflow run {tracker.run_id} in {cfg.mlflow.tracking_uri}")
+            print(
+                f"[quickstart] report written to {Storage.join(cfg.storage.root, 'report.json')}; "
+                f"MLflow run {tracker.run_id} in {cfg.mlflow.tracking_uri}"
+            )
         print(f"[quickstart] done in {time.perf_counter() - t_all:.0f}s")
     finally:
         if not args.keep_services:

@@ -10,14 +10,15 @@ Ctrl-C (or SIGTERM), at any point, even with an engine that no longer responds: 
 job started, every Ray process it started is stopped; on a cluster (`ray.address`, or as a Ray job)
 the Serve application is shut down.
 """
+
 import argparse
 import signal
 import time
 
 import _bootstrap  # noqa: F401
+
 # Heavy parts of the library (torch, Ray, DeepSpeed) are imported inside the functions that use them,
 # after the arguments are parsed: --help and a bad setting answer at once.
-
 from dspark.config import add_config_args, config_from_args, run_main
 
 
@@ -35,8 +36,10 @@ def main(argv=None):
     local = cluster_address(cfg) is None
     try:
         url = run_local(cfg)
-        print(f"[serve] {cfg.serve.model_name} on {url} (policy {cfg.serve.policy}, "
-              f"drafter {cfg.serve.drafter_uri or 'none'}); Ctrl-C stops it")
+        print(
+            f"[serve] {cfg.serve.model_name} on {url} (policy {cfg.serve.policy}, "
+            f"drafter {cfg.serve.drafter_uri or 'none'}); Ctrl-C stops it"
+        )
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

@@ -12,14 +12,15 @@ Rerunning with the same --set train.run_name=NAME resumes from its latest checkp
 finished cache at cache.uri (default <storage.root>/caches/<cache.name>) the job builds it first with
 its cache.* settings, as jobs/build_cache.py would; a damaged or incompatible cache is an error.
 """
+
 import argparse
 import tempfile
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
+
 # Heavy parts of the library (torch, Ray, DeepSpeed) are imported inside the functions that use them,
 # after the arguments are parsed: --help and a bad setting answer at once.
-
 from dspark.config import add_config_args, config_from_args, run_main
 
 
@@ -41,13 +42,17 @@ def main(argv=None):
         open_cache(uri, storage)  # damaged or incompatible: one line naming it, before any work
     init_ray(cfg)
     if not finished:
-        print(f"[train] no finished cache at {uri}: building it first with this job's cache.* settings "
-              f"(what jobs/build_cache.py does)")
+        print(
+            f"[train] no finished cache at {uri}: building it first with this job's cache.* settings "
+            f"(what jobs/build_cache.py does)"
+        )
         build_cache(cfg)
     res = distributed.fit(cfg)
     m = res["metrics"] or {}
-    print(f"[train] {res['name']}: {res['steps']} steps, final loss {m.get('loss', float('nan')):.4f}, expected tau "
-          f"{m.get('expected_tau', float('nan')):.3f}; drafter exported to {res['out_uri']}; MLflow run {res['run_id']}")
+    print(
+        f"[train] {res['name']}: {res['steps']} steps, final loss {m.get('loss', float('nan')):.4f}, expected tau "
+        f"{m.get('expected_tau', float('nan')):.3f}; drafter exported to {res['out_uri']}; MLflow run {res['run_id']}"
+    )
     if cfg.train.evaluate:
         evaluate_into_run(cfg, storage, res)
 

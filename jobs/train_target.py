@@ -6,12 +6,13 @@
 Resumes from <out_dir>/checkpoint.pt when present. Saves HF format (safetensors, config, tokenizer)
 and target_card.json (recipe, corpus hash, training tokens, held-out quality vs a unigram baseline).
 """
+
 import argparse
 
 import _bootstrap  # noqa: F401  (makes `dspark` importable from a plain checkout)
+
 # Heavy parts of the library (torch, Ray, DeepSpeed) are imported inside the functions that use them,
 # after the arguments are parsed: --help and a bad setting answer at once.
-
 from dspark.config import add_config_args, config_from_args, run_main
 
 

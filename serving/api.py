@@ -1,4 +1,5 @@
 """OpenAI-compatible request schemas and response bodies. Validation errors name the field."""
+
 from __future__ import annotations
 
 import time
@@ -11,11 +12,24 @@ from pydantic_core import PydanticCustomError
 # the field) unless set to a value that turns them off; metadata is accepted and ignored; any other
 # unknown field is refused.
 UNSUPPORTED: dict[str, tuple] = {  # field -> the values that mean "off"
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
-    "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
-    "response_format": (None, {}, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"), "modalities": (None, ["text"]), "audio": (None,),
-    "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "response_format": (None, {}, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
 }
 METADATA = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options")
 
@@ -45,7 +59,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)
-    seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)  # None: the engine picks a random seed
+    seed: Optional[int] = Field(None, ge=0, lt=2**63)  # None: the engine picks a random seed
     stop: Optional[Union[Text, list[Text]]] = None
     stream: bool = False
     n: int = Field(1, ge=1, le=1)
@@ -57,8 +71,9 @@ class _Sampling(BaseModel):
             return data
         for name, neutral in UNSUPPORTED.items():
             if name in data and not _off(data[name], neutral):
-                raise PydanticCustomError("unsupported", "not supported by this server (leave it out or null)",
-                                          {"field": name})
+                raise PydanticCustomError(
+                    "unsupported", "not supported by this server (leave it out or null)", {"field": name}
+                )
         ignored = (*UNSUPPORTED, *METADATA)
         return {k: v for k, v in data.items() if k not in ignored and v is not None}  # null means unset
 
@@ -94,16 +109,29 @@ class ChatRequest(_Sampling):
 
 
 def usage_body(done: dict) -> dict:
-    return {"prompt_tokens": done["prompt_tokens"], "completion_tokens": done["completion_tokens"],
-            "total_tokens": done["prompt_tokens"] + done["completion_tokens"]}
+    return {
+        "prompt_tokens": done["prompt_tokens"],
+        "completion_tokens": done["completion_tokens"],
+        "total_tokens": done["prompt_tokens"] + done["completion_tokens"],
+    }
 
 
 def completion_body(rid: str, model: str, text: str, done: dict, chat: bool) -> dict:
     usage = usage_body(done)
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": done["finish_reason"]}
-              if chat else {"index": 0, "text": text, "finish_reason": done["finish_reason"], "logprobs": None})
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage, "speculative": done["speculative"]}
+    choice = (
+        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": done["finish_reason"]}
+        if chat
+        else {"index": 0, "text": text, "finish_reason": done["finish_reason"], "logprobs": None}
+    )
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+        "speculative": done["speculative"],
+    }
 
 
 def chunk_body(rid: str, model: str, text: str, finish: Optional[str], chat: bool) -> dict:

@@ -9,6 +9,7 @@ GET /v1/models, GET /health, GET /v1/calibration (the calibration actor's statis
 GET /v1/engine (engine replica state). With serve.api_key set, every route but /health needs
 "Authorization: Bearer <key>".
 """
+
 # The deployments import torch and the decoding engine inside their constructors: the ingress replica
 # (and `serve run`'s import of this module) never loads them.
 import asyncio
@@ -43,8 +44,12 @@ def _cfg(cfg_json: str):
     return Config.model_validate_json(cfg_json)
 
 
-@serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0},
-                  logging_config={"enable_access_log": False})
+@serve.deployment(
+    num_replicas=1,
+    max_ongoing_requests=1000,
+    ray_actor_options={"num_cpus": 0},
+    logging_config={"enable_access_log": False},
+)
 class CalibrationActor:
     """Named per model pair (deployment `calibration-<model>`): aggregates per-position acceptance
     outcomes from every engine replica, refits the STS calibration, hands it back to the engines.
@@ -55,9 +60,14 @@ class CalibrationActor:
         from dspark.calibration.sts import Calibration as STS
 
         sc = _cfg(cfg_json).serve
-        self.cal = OnlineCalibrator(gamma, STS.from_dict(start) if start else None, bias=sc.calibration_bias,
-                                    half_life=sc.calibration_half_life, min_rounds=sc.calibration_min_rounds,
-                                    refit_every=sc.calibration_refit_every)
+        self.cal = OnlineCalibrator(
+            gamma,
+            STS.from_dict(start) if start else None,
+            bias=sc.calibration_bias,
+            half_life=sc.calibration_half_life,
+            min_rounds=sc.calibration_min_rounds,
+            refit_every=sc.calibration_refit_every,
+        )
         self.lock = threading.Lock()
 
     def add(self, rounds: list) -> int:
@@ -70,7 +80,11 @@ class CalibrationActor:
         recent window only; `stats` reports over every held round)."""
         with self.lock:
             err = self.cal.live_error()
-            return {"version": self.cal.version, **self.cal.cal.to_dict(), "live_error": None if math.isnan(err) else err}
+            return {
+                "version": self.cal.version,
+                **self.cal.cal.to_dict(),
+                "live_error": None if math.isnan(err) else err,
+            }
 
     def stats(self) -> dict:
         with self.lock:
@@ -93,7 +107,9 @@ class EngineMetrics:
         self.batch = Gauge("dspark_batch_size", "requests in the last round")
         self.queue = Gauge("dspark_queue_depth", "requests waiting for a slot")
         self.ece = Gauge("dspark_calibration_error", "live calibration error of predicted prefix survival")
-        self.latency = Histogram("dspark_round_seconds", "round latency", boundaries=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1])
+        self.latency = Histogram(
+            "dspark_round_seconds", "round latency", boundaries=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1]
+        )
 
     def round(self, rounds, batch: int, waiting: int, seconds: float) -> None:
         self.rounds.inc()
@@ -112,8 +128,12 @@ class EngineMetrics:
                     self.accepted.inc(tags={"position": str(k)})
 
 
-@serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 1},
-                  logging_config={"enable_access_log": False})
+@serve.deployment(
+    num_replicas=1,
+    max_ongoing_requests=1000,
+    ray_actor_options={"num_cpus": 1},
+    logging_config={"enable_access_log": False},
+)
 class SpeculativeEngine:
     def __init__(self, cfg_json: str, calibration=None):
         import torch
@@ -121,8 +141,8 @@ class SpeculativeEngine:
         from dspark import target as targets
         from dspark.calibration import sts
         from dspark.decoding.engine import Engine
-        from dspark.models import load_drafter
         from dspark.decoding.profile import profile
+        from dspark.models import load_drafter
         from dspark.scheduling.sps import SPSTable
         from dspark.storage import Storage
 
@@ -147,11 +167,24 @@ class SpeculativeEngine:
         self.metrics = EngineMetrics(self.gamma)
         self.pending: list = []
         self.plock = threading.Lock()
-        self.engine = Engine(tgt.model, tgt.tokenizer, drafter, gamma=self.gamma, policy=sc.policy, sps=sps,
-                             max_batch=sc.max_batch, max_queue=sc.max_queue, static_len=sc.static_len,
-                             threshold=sc.threshold, calibration=start, metrics=self.metrics,
-                             observer=self._observe if self.calibration else None, idle_probe=sc.idle_probe_rounds,
-                             max_len=sc.max_len, stop_ids=tgt.eos_token_ids)
+        self.engine = Engine(
+            tgt.model,
+            tgt.tokenizer,
+            drafter,
+            gamma=self.gamma,
+            policy=sc.policy,
+            sps=sps,
+            max_batch=sc.max_batch,
+            max_queue=sc.max_queue,
+            static_len=sc.static_len,
+            threshold=sc.threshold,
+            calibration=start,
+            metrics=self.metrics,
+            observer=self._observe if self.calibration else None,
+            idle_probe=sc.idle_probe_rounds,
+            max_len=sc.max_len,
+            stop_ids=tgt.eos_token_ids,
+        )
         self.chat_template_kwargs = cfg.target.chat_template_kwargs
         self.sps, self.tokenizer, self.model_name = sps, tgt.tokenizer, sc.model_name
         self.cal_version = -1
@@ -228,7 +261,10 @@ class SpeculativeEngine:
                 self.engine.cancel(stream)
 
     def state(self) -> dict:
-        return {**self.engine.state(), "sps": {"batch": self.sps.batch, "sps": self.sps.sps, "hardware": self.sps.hardware}}
+        return {
+            **self.engine.state(),
+            "sps": {"batch": self.sps.batch, "sps": self.sps.sps, "hardware": self.sps.hardware},
+        }
 
 
 OPEN_PATHS = ("/health",)  # every other route needs the key when serve.api_key is set
@@ -342,8 +378,13 @@ async def _sse(ev: Event, events: AsyncIterator[Event], gen, rid: str, model: st
             yield _data(error_body(ev.message, kind=_kind(ev.status)))
             return
         info = ev.info
-        yield _data({**chunk_body(rid, model, "", info["finish_reason"], chat), "speculative": info["speculative"],
-                     "usage": usage_body(info)})
+        yield _data(
+            {
+                **chunk_body(rid, model, "", info["finish_reason"], chat),
+                "speculative": info["speculative"],
+                "usage": usage_body(info),
+            }
+        )
         yield "data: [DONE]\n\n"
     finally:
         gen.cancel()  # a disconnected client cancels the engine-side stream, which frees the slot
@@ -385,8 +426,14 @@ class Ingress:
     async def _run(self, body, chat: bool):
         if body.model and body.model != self.sc.model_name:
             return _error(404, f"model: unknown model {body.model!r} (serving {self.sc.model_name!r})", "model")
-        params = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
-                  "stop": body.stops(), "max_tokens": body.limit() or self.sc.max_tokens_default}
+        params = {
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "seed": body.seed,
+            "stop": body.stops(),
+            "max_tokens": body.limit() or self.sc.max_tokens_default,
+        }
         params.update({"messages": [m.model_dump() for m in body.messages]} if chat else {"prompt": body.prompt})
         gen = self.engine.options(stream=True).generate.remote(params)
         events, rid, model = _events(gen), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.sc.model_name
@@ -421,7 +468,8 @@ def build(args: dict) -> serve.Application:
     if cfg.serve.calibration and cfg.serve.drafter_uri:
         gamma, start = _drafter_calibration(cfg)
         calibration = CalibrationActor.options(name=f"calibration-{cfg.serve.model_name}").bind(
-            cfg_json, gamma, start.to_dict() if start else None)
+            cfg_json, gamma, start.to_dict() if start else None
+        )
     engine = SpeculativeEngine.options(num_replicas=cfg.serve.num_replicas).bind(cfg_json, calibration)
     return Ingress.bind(cfg_json, engine, calibration)
 
@@ -447,17 +495,18 @@ def _drafter_calibration(cfg):
 
 def run_local(cfg) -> str:
     """Start (or replace) the application on the connected (or a new local) Ray; returns its base URL."""
-    from dspark.cluster import init_ray
-
     from ray.serve.context import _get_global_client
 
+    from dspark.cluster import init_ray
     from dspark.errors import UserError
 
     init_ray(cfg)
     serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
     running = _get_global_client().http_config.port  # a running Serve keeps its port, ignoring ours
     if running != cfg.serve.port:
-        raise UserError(f"serve.port={cfg.serve.port}: Serve already listens on port {running} in this Ray "
-                        f"cluster; use serve.port={running} or shut that Serve down first")
+        raise UserError(
+            f"serve.port={cfg.serve.port}: Serve already listens on port {running} in this Ray "
+            f"cluster; use serve.port={running} or shut that Serve down first"
+        )
     serve.run(build({"config_json": cfg.model_dump_json()}), name="dspark", route_prefix="/")
     return f"http://{cfg.serve.host}:{cfg.serve.port}"

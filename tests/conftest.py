@@ -1,5 +1,6 @@
 """Shared fixtures. Services are real processes on 127.0.0.1, started on free ports per test session
 and stopped by PID (never `ray stop`)."""
+
 from __future__ import annotations
 
 import os
@@ -91,8 +92,14 @@ def ray_driver(ray_head):
 
 
 # A small cache of the built-in corpus: 16 conversations in 4 shards (the overrides that build it)
-SMALL_CACHE = [f"storage.root=s3://{BUCKET}/it", "cache.name=small", "cache.max_examples=16", "cache.shard_rows=4",
-               "cache.max_new_tokens=16", "cache.batch_size=4"]
+SMALL_CACHE = [
+    f"storage.root=s3://{BUCKET}/it",
+    "cache.name=small",
+    "cache.max_examples=16",
+    "cache.shard_rows=4",
+    "cache.max_new_tokens=16",
+    "cache.batch_size=4",
+]
 
 
 @pytest.fixture(scope="session")
@@ -110,5 +117,9 @@ def small_cache(ray_driver):
 def mlflow_config(tmp_path):
     from dspark.config import load_config
 
-    return load_config(overrides=[f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
-                                  f"mlflow.artifact_location={(tmp_path / 'artifacts').as_uri()}"])
+    return load_config(
+        overrides=[
+            f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            f"mlflow.artifact_location={(tmp_path / 'artifacts').as_uri()}",
+        ]
+    )

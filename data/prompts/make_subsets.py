@@ -6,6 +6,7 @@ Deterministic: every set is thinned by an even stride over the prompts whose tur
 MAX_CHARS characters (long SWE-bench / LiveCodeBench issues cost minutes each on a CPU target).
 Training sets and evaluation sets are disjoint by construction: different benchmarks.
 """
+
 import json
 import sys
 from pathlib import Path

@@ -7,6 +7,7 @@
 A run's name is train.run_name, or the drafter kind and the start time when none is given: compute it
 once (`run_name`) and pass it on, since two calls a second apart differ.
 """
+
 from __future__ import annotations
 
 import time

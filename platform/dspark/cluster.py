@@ -1,4 +1,5 @@
 """Connecting to Ray: a local Ray on embedded defaults, or a cluster given by `ray.address`."""
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ One root `Config` with a section per concern. Sources, in order of precedence:
     defaults  <  YAML file (`--config FILE`)  <  dotted overrides (`--set train.lr=3e-4`).
 Unknown keys and values of the wrong type are errors that name the dotted key.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,7 +69,9 @@ class TargetConfig(Section):
     name_or_path: str = "builtin"
     revision: Optional[str] = None  # hub ids: branch, tag or commit (the resolved commit is recorded)
     cache_dir: str = str(LOCAL_DIR / "targets")  # where GGUF targets are converted, once, to safetensors
-    mask_token: Optional[Union[int, str]] = None  # drafters' block filler (token or id); None = tokenizer's or an unused special token
+    mask_token: Optional[Union[int, str]] = (
+        None  # drafters' block filler (token or id); None = tokenizer's or an unused special token
+    )
     pad_token: Optional[str] = None  # None = the tokenizer's, else its EOS
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # e.g. {enable_thinking: false}
     device: str = "cpu"  # "cuda", "cuda:1", ...
@@ -125,7 +128,9 @@ class CacheConfig(Section):
     # "builtin" (the built-in corpus's train split) and/or JSONL files (paths, file:// or s3://) of prompts or
     # conversations: OpenAI `messages`, ShareGPT `conversations`, {"turns": [...]} or {"prompt": ...}
     sources: list[str] = Field(default_factory=lambda: ["builtin"], min_length=1)
-    skip_bad_records: bool = False  # false: a bad JSONL line is an error naming file and line; true: counted and skipped
+    skip_bad_records: bool = (
+        False  # false: a bad JSONL line is an error naming file and line; true: counted and skipped
+    )
     shard_rows: int = Field(256, ge=1)  # conversations per shard (a shard holds one row per assistant turn)
     max_examples: int = Field(0, ge=0)  # conversations from each source; 0 = all
     max_new_tokens: int = Field(128, ge=1)
@@ -314,7 +319,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
         except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+            raise ConfigError(
+                f"config file {p} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})"
+            ) from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(e)}") from None
         if loaded is not None and not isinstance(loaded, dict):
@@ -337,8 +344,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def add_config_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML file with config sections")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="dotted override, e.g. --set train.lr=3e-4 (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted override, e.g. --set train.lr=3e-4 (repeatable)",
+    )
     return parser
 
 

@@ -1,4 +1,5 @@
 """Headless matplotlib figures for reports (PNG files)."""
+
 from __future__ import annotations
 
 from pathlib import Path

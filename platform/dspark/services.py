@@ -12,6 +12,7 @@ another process (the service died, the pid was reused) is never signalled.
     python -m dspark.services start [objectstore ray mlflow]
     python -m dspark.services status | stop | env
 """
+
 from __future__ import annotations
 
 import argparse
@@ -187,8 +188,10 @@ class Service:
             if not isinstance(st.pid, int) or st.pid <= 0 or not isinstance(st.started, (int, float)):
                 raise ValueError(f"pid {st.pid!r}, started {st.started!r}")
         except (ValueError, TypeError) as e:  # bad JSON or UTF-8, missing or unknown fields
-            raise UserError(f"state file {self.state_file} is damaged ({str(e).splitlines()[0]}); "
-                            f"delete it once no {self.name} process of this folder runs") from None
+            raise UserError(
+                f"state file {self.state_file} is damaged ({str(e).splitlines()[0]}); "
+                f"delete it once no {self.name} process of this folder runs"
+            ) from None
         return st
 
     def state(self) -> ServiceState | None:
@@ -209,8 +212,9 @@ class Service:
         cmd = self.command(ports)
         t0 = time.monotonic()
         with open(log, "ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True, cwd=self.workdir())
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=self.workdir()
+            )
         st = ServiceState(self.name, proc.pid, ports, self.client_env(ports), started=process_started(proc.pid) or 0.0)
         try:
             st.ready_s = _wait(lambda: self.healthy(st), timeout, self.name, proc, log, t0)
@@ -233,8 +237,10 @@ class Service:
         elif process_started(st.pid) is None:
             done = f"not running (pid {st.pid} has exited)"
         elif not st.started:
-            done = (f"pid {st.pid} left alone: the state file has no start time to identify it "
-                    f"(stop it yourself if it is {self.name})")
+            done = (
+                f"pid {st.pid} left alone: the state file has no start time to identify it "
+                f"(stop it yourself if it is {self.name})"
+            )
         else:
             done = f"not running (pid {st.pid} now belongs to another process: left alone)"
         self.state_file.unlink(missing_ok=True)
@@ -262,7 +268,9 @@ class ObjectStore(Service):
         f = self.dir / "credentials.json"
         if not f.exists():
             self.dir.mkdir(parents=True, exist_ok=True)
-            _write_private(f, json.dumps({"access_key": "dspark" + secrets.token_hex(4), "secret_key": secrets.token_hex(16)}))
+            _write_private(
+                f, json.dumps({"access_key": "dspark" + secrets.token_hex(4), "secret_key": secrets.token_hex(16)})
+            )
         f.chmod(0o600)  # also one written before credentials files were private
         c = json.loads(f.read_text())
         return c["access_key"], c["secret_key"]
@@ -273,14 +281,34 @@ class ObjectStore(Service):
     def command(self, ports):
         key, secret = self.credentials()
         identities = self.dir / "identities.json"
-        _write_private(identities, json.dumps({"identities": [{
-            "name": "dspark", "credentials": [{"accessKey": key, "secretKey": secret}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+        _write_private(
+            identities,
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "dspark",
+                            "credentials": [{"accessKey": key, "secretKey": secret}],
+                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                        }
+                    ]
+                }
+            ),
+        )
         data = self.dir / "data"
         data.mkdir(exist_ok=True)
-        return [_bin("weed"), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
-                f"-s3.port={ports['s3']}", f"-s3.config={identities}"]
+        return [
+            _bin("weed"),
+            "mini",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.telemetry=false",
+            "-admin.ui=false",
+            "-webdav=false",
+            f"-s3.port={ports['s3']}",
+            f"-s3.config={identities}",
+        ]
 
     def process_env(self):
         # weed reads these as flag fallbacks; never let a user's environment leak in
@@ -288,8 +316,13 @@ class ObjectStore(Service):
 
     def client_env(self, ports):
         key, secret = self.credentials()
-        return {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{ports['s3']}", "AWS_ACCESS_KEY_ID": key,
-                "AWS_SECRET_ACCESS_KEY": secret, "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+        return {
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{ports['s3']}",
+            "AWS_ACCESS_KEY_ID": key,
+            "AWS_SECRET_ACCESS_KEY": secret,
+            "AWS_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
 
     def version(self) -> str:
         out = subprocess.run([_bin("weed"), "version"], capture_output=True, text=True).stdout
@@ -300,9 +333,14 @@ class ObjectStore(Service):
         from botocore.config import Config as BotoConfig
 
         e = st.env
-        return boto3.client("s3", endpoint_url=e["AWS_ENDPOINT_URL"], aws_access_key_id=e["AWS_ACCESS_KEY_ID"],
-                            aws_secret_access_key=e["AWS_SECRET_ACCESS_KEY"], region_name=e["AWS_REGION"],
-                            config=BotoConfig(connect_timeout=2, read_timeout=5, retries={"max_attempts": 1}))
+        return boto3.client(
+            "s3",
+            endpoint_url=e["AWS_ENDPOINT_URL"],
+            aws_access_key_id=e["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=e["AWS_SECRET_ACCESS_KEY"],
+            region_name=e["AWS_REGION"],
+            config=BotoConfig(connect_timeout=2, read_timeout=5, retries={"max_attempts": 1}),
+        )
 
     def healthy(self, st):
         self._client(st).list_buckets()
@@ -336,12 +374,24 @@ class RayHead(Service):
         return f"/tmp/dspark-ray-{hashlib.sha1(str(self.dir).encode()).hexdigest()[:10]}"
 
     def command(self, ports):
-        cmd = [_bin("ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-               f"--port={ports['gcs']}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-               f"--dashboard-port={ports['dashboard']}", f"--ray-client-server-port={ports['client']}",
-               f"--dashboard-agent-listen-port={ports['agent_http']}", f"--dashboard-agent-grpc-port={ports['agent_grpc']}",
-               f"--runtime-env-agent-port={ports['runtime_env_agent']}", f"--metrics-export-port={ports['metrics']}",
-               f"--temp-dir={self.temp_dir()}", "--disable-usage-stats"]
+        cmd = [
+            _bin("ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={ports['gcs']}",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={ports['dashboard']}",
+            f"--ray-client-server-port={ports['client']}",
+            f"--dashboard-agent-listen-port={ports['agent_http']}",
+            f"--dashboard-agent-grpc-port={ports['agent_grpc']}",
+            f"--runtime-env-agent-port={ports['runtime_env_agent']}",
+            f"--metrics-export-port={ports['metrics']}",
+            f"--temp-dir={self.temp_dir()}",
+            "--disable-usage-stats",
+        ]
         if self.num_cpus is not None:
             cmd.append(f"--num-cpus={self.num_cpus}")
         return cmd
@@ -384,8 +434,11 @@ class RayHead(Service):
                     raise
 
     def client_env(self, ports):
-        return {"RAY_ADDRESS": f"http://127.0.0.1:{ports['dashboard']}", "RAY_AUTH_MODE": "disabled",
-                "DSPARK_RAY_GCS": f"127.0.0.1:{ports['gcs']}"}
+        return {
+            "RAY_ADDRESS": f"http://127.0.0.1:{ports['dashboard']}",
+            "RAY_AUTH_MODE": "disabled",
+            "DSPARK_RAY_GCS": f"127.0.0.1:{ports['gcs']}",
+        }
 
     def version(self) -> str:
         import ray
@@ -402,8 +455,9 @@ class RayHead(Service):
         from ray.dashboard.consts import DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX
 
         gcs = GcsClient(address=f"127.0.0.1:{st.ports['gcs']}")
-        return bool(gcs.internal_kv_keys(DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX.encode(), KV_NAMESPACE_DASHBOARD, timeout=2))
-
+        return bool(
+            gcs.internal_kv_keys(DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX.encode(), KV_NAMESPACE_DASHBOARD, timeout=2)
+        )
 
     def stop(self) -> str:
         done = super().stop()
@@ -420,9 +474,20 @@ class MLflowServer(Service):
     def command(self, ports):
         db = LOCAL_DIR / "mlflow" / "mlflow.db"
         db.parent.mkdir(parents=True, exist_ok=True)
-        return [_bin("mlflow"), "server", "--backend-store-uri", f"sqlite:///{db}",
-                "--default-artifact-root", (LOCAL_DIR / "mlflow" / "artifacts").as_uri(),
-                "--host", "127.0.0.1", "--port", str(ports["http"]), "--workers", "1"]
+        return [
+            _bin("mlflow"),
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{db}",
+            "--default-artifact-root",
+            (LOCAL_DIR / "mlflow" / "artifacts").as_uri(),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(ports["http"]),
+            "--workers",
+            "1",
+        ]
 
     def client_env(self, ports):
         return {"MLFLOW_UI": f"http://127.0.0.1:{ports['http']}"}
@@ -478,8 +543,11 @@ def _cli(argv=None) -> None:
         head = RayHead(root)
         st = head.state()
         if "ray" not in names and st and head.stale(st):
-            print("ray: the running head does not have the object store's settings, so its jobs will not reach "
-                  "it; `infra/local/start.sh ray` restarts it with them", file=sys.stderr)
+            print(
+                "ray: the running head does not have the object store's settings, so its jobs will not reach "
+                "it; `infra/local/start.sh ray` restarts it with them",
+                file=sys.stderr,
+            )
     elif args.action == "stop":
         for s in objs:
             print(f"{s.name}: {s.stop()}")

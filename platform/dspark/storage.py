@@ -9,6 +9,7 @@ Note: pyarrow's S3FileSystem drops its retry strategy when pickled (e.g. shipped
 code that runs remotely should carry a `Storage` (which pickles its settings) and build the
 filesystem where it runs.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,7 +52,7 @@ class Storage:
     def path_of(uri: str) -> str:
         """The filesystem path: "bucket/prefix" for s3://, an absolute local path otherwise."""
         if uri.startswith("s3://"):
-            return uri[len("s3://"):].rstrip("/")
+            return uri[len("s3://") :].rstrip("/")
         if uri.startswith("file://"):
             return urlparse(uri).path
         return str(Path(uri).resolve())
@@ -64,8 +65,12 @@ class Storage:
     def pyarrow_fs(self, uri: str) -> tuple[pafs.FileSystem, str]:
         if not self.is_remote(uri):
             return pafs.LocalFileSystem(), self.path_of(uri)
-        kwargs = dict(region=self.region, retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=self.retry_attempts),
-                      connect_timeout=5, request_timeout=30)
+        kwargs = dict(
+            region=self.region,
+            retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=self.retry_attempts),
+            connect_timeout=5,
+            request_timeout=30,
+        )
         if self.access_key and self.secret_key:
             kwargs.update(access_key=self.access_key, secret_key=self.secret_key)
         if self.endpoint_url:
@@ -81,10 +86,15 @@ class Storage:
         import s3fs
 
         fs = s3fs.S3FileSystem(
-            key=self.access_key, secret=self.secret_key, endpoint_url=self.endpoint_url,
+            key=self.access_key,
+            secret=self.secret_key,
+            endpoint_url=self.endpoint_url,
             client_kwargs={"region_name": self.region},
-            config_kwargs={"retries": {"max_attempts": self.retry_attempts, "mode": "standard"},
-                           "connect_timeout": 5, "read_timeout": 30},
+            config_kwargs={
+                "retries": {"max_attempts": self.retry_attempts, "mode": "standard"},
+                "connect_timeout": 5,
+                "read_timeout": 30,
+            },
             skip_instance_cache=True,
         )
         return fs, self.path_of(uri)
@@ -120,8 +130,11 @@ class Storage:
         fs, path = self.fsspec_fs(uri)
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
-        files = [f for f in fs.ls(path, detail=True) if f["type"] == "file"
-                 and (not only or f["name"].rsplit("/", 1)[-1] in only)]
+        files = [
+            f
+            for f in fs.ls(path, detail=True)
+            if f["type"] == "file" and (not only or f["name"].rsplit("/", 1)[-1] in only)
+        ]
         if not files and not only:
             raise UserError(f"nothing found at {uri}")
         for f in files:
@@ -141,7 +154,9 @@ class Storage:
         except OSError as e:
             msg = str(e)
             if "ACCESS_DENIED" in msg or "InvalidAccessKeyId" in msg or "SignatureDoesNotMatch" in msg or "403" in msg:
-                raise UserError(f"object store {where} rejected the credentials (AWS_ACCESS_KEY_ID) for bucket '{bucket}'") from None
+                raise UserError(
+                    f"object store {where} rejected the credentials (AWS_ACCESS_KEY_ID) for bucket '{bucket}'"
+                ) from None
             raise UserError(f"object store {where} is unreachable for {uri}: {msg.splitlines()[0]}") from None
         if info.type == pafs.FileType.NotFound:
             raise UserError(f"bucket '{bucket}' does not exist on object store {where}")

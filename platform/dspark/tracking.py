@@ -1,4 +1,5 @@
 """MLflow tracking shared by the jobs: SQLite backend by default, batched metric logging."""
+
 from __future__ import annotations
 
 import os
@@ -18,12 +19,14 @@ def _prepare(cfg: Config):
 
     uri = cfg.mlflow.tracking_uri
     if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        Path(uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)
     artifacts = cfg.mlflow.artifact_location or (LOCAL_DIR / "mlflow" / "artifacts").as_uri()
     try:
         exp = mlflow.get_experiment_by_name(cfg.mlflow.experiment)
-        exp_id = exp.experiment_id if exp else mlflow.create_experiment(cfg.mlflow.experiment, artifact_location=artifacts)
+        exp_id = (
+            exp.experiment_id if exp else mlflow.create_experiment(cfg.mlflow.experiment, artifact_location=artifacts)
+        )
     except Exception as e:
         raise UserError(f"mlflow tracking store {uri} is not usable: {str(e).splitlines()[0]}") from None
     return mlflow, exp_id
@@ -102,7 +105,7 @@ class RunClient:
 
         items = [Param(k, str(redact(k, v))[:500]) for k, v in values.items()]
         for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i:i + 100])
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
 
     def log_new(self, metrics: list[dict], prefix: str = "train.") -> None:
         """Log the steps MLflow does not have yet (each dict carries its "step")."""
@@ -114,10 +117,14 @@ class RunClient:
             history = self.client.get_metric_history(self.run_id, f"{prefix}loss")
             self.logged_step = max((m.step for m in history), default=0)
         now = int(time.time() * 1000)
-        batch = [Metric(f"{prefix}{k}", float(v), now, int(m["step"])) for m in metrics if m["step"] > self.logged_step
-                 for k, v in m.items()]
+        batch = [
+            Metric(f"{prefix}{k}", float(v), now, int(m["step"]))
+            for m in metrics
+            if m["step"] > self.logged_step
+            for k, v in m.items()
+        ]
         for i in range(0, len(batch), 900):
-            self.client.log_batch(self.run_id, metrics=batch[i:i + 900])
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 900])
         self.logged_step = max(self.logged_step, max(int(m["step"]) for m in metrics))
 
     def artifacts(self, local_dir: str | Path, artifact_path: str) -> None:
@@ -132,8 +139,13 @@ def run(cfg: Config, run_name: str, run_id: str | None = None, tags: dict | None
         yield Tracker(None)
         return
     mlflow, exp_id = _prepare(cfg)
-    with mlflow.start_run(run_id=run_id, experiment_id=None if run_id else exp_id,
-                          run_name=None if run_id else run_name, tags=tags, nested=mlflow.active_run() is not None):
+    with mlflow.start_run(
+        run_id=run_id,
+        experiment_id=None if run_id else exp_id,
+        run_name=None if run_id else run_name,
+        tags=tags,
+        nested=mlflow.active_run() is not None,
+    ):
         tracker = Tracker(mlflow)
         try:
             yield tracker

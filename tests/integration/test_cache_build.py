@@ -3,6 +3,7 @@ a streaming Ray Data read decodes them (and verifies their checksums), a build k
 finishes on rerun, a rerun with other settings is refused, the builder's lock works on S3, and the
 user's JSONL conversations on s3:// are regenerated turn by turn by a non-built-in target with its
 own chat template."""
+
 import json
 import os
 import signal
@@ -80,16 +81,27 @@ def test_killed_build_resumes_without_partial_or_duplicate_rows(ray_driver, ray_
     storage = Storage.from_config(cfg.storage)
     fs, root = storage.pyarrow_fs(cache_uri(cfg))
     args = [sys.executable, str(ROOT / "jobs" / "build_cache.py")]
-    for o in [*SMALL_CACHE, "mlflow.enabled=false", "cache.name=resume", *settings,
-              f"ray.address={ray_head.env['DSPARK_RAY_GCS']}"]:
+    for o in [
+        *SMALL_CACHE,
+        "mlflow.enabled=false",
+        "cache.name=resume",
+        *settings,
+        f"ray.address={ray_head.env['DSPARK_RAY_GCS']}",
+    ]:
         args += ["--set", o]
     others = _builders(ray_head)  # of earlier builds, if still exiting
     log = open(tmp_path / "build.log", "w")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=os.environ.copy())
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ.copy())
     try:
-        wait_for(lambda: proc.poll() is not None or len(fs.get_file_info(
-            pafs.FileSelector(f"{root}/_shards", allow_not_found=True))) >= 2, 300, "2 published shards", 0.1)
+        wait_for(
+            lambda: (
+                proc.poll() is not None
+                or len(fs.get_file_info(pafs.FileSelector(f"{root}/_shards", allow_not_found=True))) >= 2
+            ),
+            300,
+            "2 published shards",
+            0.1,
+        )
         assert proc.poll() is None, (tmp_path / "build.log").read_text()[-3000:]
         builders = _builders(ray_head) - others
     finally:
@@ -125,7 +137,7 @@ def _copy(storage: Storage, src_uri: str, dst_uri: str) -> None:
     dst = storage.pyarrow_fs(dst_uri)[1]
     for info in fs.get_file_info(pafs.FileSelector(src, recursive=True)):
         if info.type == pafs.FileType.File:
-            fs.copy_file(info.path, dst + info.path[len(src):])
+            fs.copy_file(info.path, dst + info.path[len(src) :])
 
 
 def test_rerun_with_other_settings_is_refused_and_a_damaged_shard_stops_the_read(small_cache):
@@ -136,9 +148,11 @@ def test_rerun_with_other_settings_is_refused_and_a_damaged_shard_stops_the_read
     _copy(storage, cache_uri(small_cache[0]), cache_uri(cfg))
     first = open_cache(cache_uri(cfg), storage).manifest
     fs.delete_file(f"{root}/{MANIFEST}")  # the build died before its manifest: every shard is published
-    for extra, named in ((["cache.codec=fp8"], "codec: 'bf16' there, 'fp8' now"),
-                         (["cache.temperature=0"], "generation.temperature: 0.8 there, 0.0 now"),
-                         (["cache.shard_rows=2"], "which examples each shard holds")):
+    for extra, named in (
+        (["cache.codec=fp8"], "codec: 'bf16' there, 'fp8' now"),
+        (["cache.temperature=0"], "generation.temperature: 0.8 there, 0.0 now"),
+        (["cache.shard_rows=2"], "which examples each shard holds"),
+    ):
         with pytest.raises(UserError, match="holds shards built with other settings") as e:
             build_cache(_cfg("settings", *extra))
         assert named in str(e.value) and "\n" not in str(e.value)
@@ -169,8 +183,10 @@ def test_the_lock_is_exclusive_on_the_object_store(object_store):
     assert not lock.fs.exists(lock.path)
 
 
-CHATML = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -182,9 +198,18 @@ def tiny_llama(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_llama")
     tok = targets.tokenizer_for("builtin")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   eos_token_id=tok.eos_token_id, bos_token_id=None, pad_token_id=None)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     transformers.LlamaForCausalLM(cfg).save_pretrained(str(folder))
     tok.chat_template, tok.pad_token = CHATML, None
     tok.save_pretrained(str(folder))
@@ -195,15 +220,31 @@ def test_jsonl_conversations_from_s3_on_a_tiny_llama(ray_driver, tiny_llama):
     """cache.sources = a JSONL file on s3:// in two formats, one conversation multi-turn: one row per
     assistant turn, each prompt the target's chat template over the conversation so far with the
     target's own earlier answers, each answer ending at its first EOS (pad == EOS)."""
-    records = [{"turns": ["Write a loop.", "Now in reverse."]}, {"messages": [{"role": "system", "content": "terse"},
-               {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "dropped"}]}, {"prompt": "Bye"}]
+    records = [
+        {"turns": ["Write a loop.", "Now in reverse."]},
+        {
+            "messages": [
+                {"role": "system", "content": "terse"},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "dropped"},
+            ]
+        },
+        {"prompt": "Bye"},
+    ]
     text = "\n".join(json.dumps(r) for r in records) + "\n"
     storage = Storage.from_config(load_config().storage)
     fs, path = storage.pyarrow_fs(f"s3://{BUCKET}/it/data/chats.jsonl")
     with fs.open_output_stream(path) as f:
         f.write(text.encode())
-    cfg = _cfg("tiny-llama", f"target.name_or_path={tiny_llama}", f"cache.sources=[s3://{BUCKET}/it/data/chats.jsonl]",
-               "cache.shard_rows=2", "cache.max_new_tokens=6", "cache.temperature=1.0", "cache.layers=[1,3]")
+    cfg = _cfg(
+        "tiny-llama",
+        f"target.name_or_path={tiny_llama}",
+        f"cache.sources=[s3://{BUCKET}/it/data/chats.jsonl]",
+        "cache.shard_rows=2",
+        "cache.max_new_tokens=6",
+        "cache.temperature=1.0",
+        "cache.layers=[1,3]",
+    )
     m = build_cache(cfg)
     assert m.rows == 4 and len(m.shards) == 2 and m.layers == [1, 3] and m.hidden_size == 32
     tok = targets.tokenizer_from_config(cfg.target)

@@ -7,6 +7,7 @@ services, MLflow store and Ray head on free loopback ports), the project's venv 
   Makefile must have it) and the demo's command runs with `--stages target,cache` and a smaller
   cache: the object store, the reference target, a Ray Data cache build on s3://, services stopped.
 """
+
 import json
 import os
 import re
@@ -22,8 +23,16 @@ import pytest
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-QUICKSTART_SUBSET = ["--stages", "target,cache", "--set", "cache.max_examples=8", "--set", "cache.max_new_tokens=16",
-                     "--set", "eval.prompts_per_domain=2"]
+QUICKSTART_SUBSET = [
+    "--stages",
+    "target,cache",
+    "--set",
+    "cache.max_examples=8",
+    "--set",
+    "cache.max_new_tokens=16",
+    "--set",
+    "eval.prompts_per_domain=2",
+]
 
 
 def readme_block(heading: str) -> str:
@@ -38,8 +47,13 @@ def clone(tmp_path):
     """The working tree as a user's fresh clone has it: what git tracks or would add, nothing ignored."""
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
-                           check=True).stdout.decode().split("\0")
+    files = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     dest = (tmp_path / "dspark").resolve()
     for f in filter(None, files):
         if (ROOT / f).is_file():
@@ -52,10 +66,14 @@ def clone(tmp_path):
 
 def user_shell_env(clone: Path) -> dict:
     """A user's shell with the venv activated: none of this session's service settings."""
-    env = {k: v for k, v in os.environ.items()  # MAKE*: the suite may run under `make test`, a user's shell not
-           if not k.startswith(("RAY_", "AWS_", "MLFLOW_", "DSPARK_", "MAKE", "MFLAGS"))}
-    env.update(PATH=f"{clone / '.venv/bin'}:{env['PATH']}", PYTHONPATH=f"{clone / 'platform'}:{clone}",
-               OMP_NUM_THREADS="1")
+    env = {
+        k: v
+        for k, v in os.environ.items()  # MAKE*: the suite may run under `make test`, a user's shell not
+        if not k.startswith(("RAY_", "AWS_", "MLFLOW_", "DSPARK_", "MAKE", "MFLAGS"))
+    }
+    env.update(
+        PATH=f"{clone / '.venv/bin'}:{env['PATH']}", PYTHONPATH=f"{clone / 'platform'}:{clone}", OMP_NUM_THREADS="1"
+    )
     return env
 
 
@@ -86,8 +104,9 @@ def test_local_services_block_runs_as_written(clone):
     block = readme_block("Local services")
     assert "infra/local/start.sh" in block and "ray job submit" in block and "infra/local/stop.sh" in block
     t0 = time.monotonic()
-    out = subprocess.run(["bash", "-e", "-c", block], cwd=clone, env=user_shell_env(clone), capture_output=True,
-                         text=True, timeout=1200)
+    out = subprocess.run(
+        ["bash", "-e", "-c", block], cwd=clone, env=user_shell_env(clone), capture_output=True, text=True, timeout=1200
+    )
     log = out.stdout + out.stderr
     print(f"[readme] Local services block: {time.monotonic() - t0:.0f}s\n{log[-3000:]}")
     assert out.returncode == 0, log[-6000:]
@@ -110,8 +129,12 @@ def test_quickstart_block_commands(clone):
     env = user_shell_env(clone)
     targets = re.findall(r"^make (\w+)", readme_block("Quickstart (from a fresh clone)"), re.M)
     assert targets == ["demo", "test"]
-    recipes = {t: subprocess.run(["make", "-n", t], cwd=clone, env=env, capture_output=True, text=True, check=True)
-               .stdout.strip().splitlines()[-1] for t in targets}
+    recipes = {
+        t: subprocess.run(["make", "-n", t], cwd=clone, env=env, capture_output=True, text=True, check=True)
+        .stdout.strip()
+        .splitlines()[-1]
+        for t in targets
+    }
     demo = shlex.split(recipes["demo"])
     assert demo[1:] == ["jobs/quickstart.py"], recipes
     t0 = time.monotonic()

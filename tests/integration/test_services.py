@@ -1,4 +1,5 @@
 """The real services the project starts: S3 object store, MLflow on SQLite, a Ray head for job submit."""
+
 import os
 import subprocess
 import sys
@@ -16,8 +17,12 @@ pytestmark = pytest.mark.integration
 
 
 def test_parquet_roundtrip_through_s3(object_store):
-    s = Storage(endpoint_url=os.environ["AWS_ENDPOINT_URL"], access_key=os.environ["AWS_ACCESS_KEY_ID"],
-                secret_key=os.environ["AWS_SECRET_ACCESS_KEY"], region="us-east-1")
+    s = Storage(
+        endpoint_url=os.environ["AWS_ENDPOINT_URL"],
+        access_key=os.environ["AWS_ACCESS_KEY_ID"],
+        secret_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+        region="us-east-1",
+    )
     uri = f"s3://{BUCKET}/tests/roundtrip.parquet"
     s.check(uri)
     fs, path = s.pyarrow_fs(uri)
@@ -35,7 +40,8 @@ def test_object_store_errors_name_the_problem(object_store):
         wrong.check(f"s3://{BUCKET}/x")
     with pytest.raises(UserError, match="bucket 'missing-bucket' does not exist"):
         Storage(env["AWS_ENDPOINT_URL"], "us-east-1", 1, env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]).check(
-            "s3://missing-bucket/x")
+            "s3://missing-bucket/x"
+        )
     with pytest.raises(UserError, match="unreachable"):
         Storage("http://127.0.0.1:9", "us-east-1", 1, "a", "b").check(f"s3://{BUCKET}/x")
 
@@ -67,9 +73,24 @@ def test_ray_job_submit(ray_head, tmp_path):
     env = {**os.environ, **ray_head.env}
     script = "import ray; ray.init(); print('cpus', ray.cluster_resources()['CPU'])"
     t0 = time.monotonic()
-    out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit",
-                          "--address", ray_head.env["RAY_ADDRESS"], "--", "python", "-c", script],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    out = subprocess.run(
+        [
+            os.path.join(os.path.dirname(sys.executable), "ray"),
+            "job",
+            "submit",
+            "--address",
+            ray_head.env["RAY_ADDRESS"],
+            "--",
+            "python",
+            "-c",
+            script,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "cpus 2.0" in out.stdout, out.stdout[-2000:]
     assert time.monotonic() - t0 < 300

@@ -1,6 +1,7 @@
 """The Ray Serve application over HTTP on 127.0.0.1: the official openai client (streaming and not),
 greedy output equal to target-only greedy decoding, concurrent requests interleaving correctly,
 and the error paths (400 naming the field, 401, 404, 429) leaving the server healthy."""
+
 import asyncio
 import json
 import sys
@@ -48,15 +49,19 @@ def test_openai_client_completions_and_chat(server, tgt):
     assert r.usage.completion_tokens <= 24 and r.choices[0].finish_reason in ("stop", "length")
     spec = r.model_extra["speculative"]
     assert spec["rounds"] >= 1 and len(spec["verified_per_position"]) <= 4
-    streamed = client.completions.create(model="dspark-builtin", prompt="def add(a, b):\n", max_tokens=24,
-                                         temperature=0, stream=True)
+    streamed = client.completions.create(
+        model="dspark-builtin", prompt="def add(a, b):\n", max_tokens=24, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
     msgs = [{"role": "user", "content": "import os\n"}]
     chat = client.chat.completions.create(model="dspark-builtin", messages=msgs, max_tokens=16, temperature=0)
-    chat_ids = tgt.tokenizer.encode(tgt.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
-                                    add_special_tokens=False)
+    chat_ids = tgt.tokenizer.encode(
+        tgt.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
     assert chat.choices[0].message.content == plain_greedy(tgt, chat_ids, 16)
-    chunks = client.chat.completions.create(model="dspark-builtin", messages=msgs, max_tokens=16, temperature=0, stream=True)
+    chunks = client.chat.completions.create(
+        model="dspark-builtin", messages=msgs, max_tokens=16, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
     sampled = client.completions.create(model="dspark-builtin", prompt="x = ", max_tokens=8, temperature=1.0, seed=3)
     again = client.completions.create(model="dspark-builtin", prompt="x = ", max_tokens=8, temperature=1.0, seed=3)
@@ -67,8 +72,9 @@ def test_concurrent_requests_interleave_correctly(server, tgt):
     prompts = [f"def f{i}(x):\n    return x" for i in range(10)]  # more than max_batch: they queue and join
 
     async def one(client, p):
-        r = await client.post(server + "/v1/completions", headers=H,
-                              json={"prompt": p, "max_tokens": 20, "temperature": 0})
+        r = await client.post(
+            server + "/v1/completions", headers=H, json={"prompt": p, "max_tokens": 20, "temperature": 0}
+        )
         return r.json()["choices"][0]["text"]
 
     async def main():
@@ -81,17 +87,24 @@ def test_concurrent_requests_interleave_correctly(server, tgt):
         assert text == plain_greedy(tgt, ids, 20)
 
 
-@pytest.mark.parametrize("body, status, named", [
-    (b"{not json", 400, "not valid JSON"),
-    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ({"prompt": "x", "temperature": 7}, 400, "temperature"),
-    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
-    ({"max_tokens": 4}, 400, "prompt"),
-    ({"prompt": "x", "max_tokens": 4000}, 400, "context limit"),
-    ({"prompt": "x", "model": "gpt-9"}, 404, "model"),
-])
+@pytest.mark.parametrize(
+    "body, status, named",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "x", "temperature": 7}, 400, "temperature"),
+        ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"max_tokens": 4}, 400, "prompt"),
+        ({"prompt": "x", "max_tokens": 4000}, 400, "context limit"),
+        ({"prompt": "x", "model": "gpt-9"}, 404, "model"),
+    ],
+)
 def test_bad_requests_are_rejected_naming_the_problem(server, body, status, named):
-    kw = {"content": body, "headers": {**H, "Content-Type": "application/json"}} if isinstance(body, bytes) else {"json": body, "headers": H}
+    kw = (
+        {"content": body, "headers": {**H, "Content-Type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body, "headers": H}
+    )
     r = httpx.post(server + "/v1/completions", timeout=60, **kw)
     assert r.status_code == status, r.text
     assert named in r.json()["error"]["message"]
@@ -101,23 +114,42 @@ def test_bad_requests_are_rejected_naming_the_problem(server, body, status, name
 def test_auth_overload_and_disconnect_leave_the_server_healthy(server):
     assert httpx.post(server + "/v1/completions", json={"prompt": "x"}).status_code == 401
     assert httpx.post(server + "/v1/completions", content=b"{not json").status_code == 401  # auth before parsing
-    assert [httpx.get(server + p).status_code for p in ("/v1/models", "/v1/engine", "/v1/calibration", "/health")] == \
-        [401, 401, 401, 200]
+    assert [httpx.get(server + p).status_code for p in ("/v1/models", "/v1/engine", "/v1/calibration", "/health")] == [
+        401,
+        401,
+        401,
+        200,
+    ]
 
     async def flood():
         async with httpx.AsyncClient(timeout=300) as client:
-            rs = await asyncio.gather(*(client.post(server + "/v1/completions", headers=H,
-                                                    json={"prompt": f"y{i} = ", "max_tokens": 200, "temperature": 1})
-                                        for i in range(24)))
+            rs = await asyncio.gather(
+                *(
+                    client.post(
+                        server + "/v1/completions",
+                        headers=H,
+                        json={"prompt": f"y{i} = ", "max_tokens": 200, "temperature": 1},
+                    )
+                    for i in range(24)
+                )
+            )
             return [r.status_code for r in rs]
 
     codes = asyncio.run(flood())
     assert 429 in codes and 200 in codes and set(codes) <= {200, 429}  # a bounded queue, not unbounded memory
-    with httpx.stream("POST", server + "/v1/completions", headers=H, timeout=60,
-                      json={"prompt": "z = ", "max_tokens": 1500, "temperature": 1, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        server + "/v1/completions",
+        headers=H,
+        timeout=60,
+        json={"prompt": "z = ", "max_tokens": 1500, "temperature": 1, "stream": True},
+    ) as r:
         next(r.iter_lines())  # read one event, then drop the connection
-    wait_for(lambda: (st := httpx.get(server + "/v1/engine", headers=H).json())["active"] == 0 and st["waiting"] == 0,
-             30, "free slot after the client left")
+    wait_for(
+        lambda: (st := httpx.get(server + "/v1/engine", headers=H).json())["active"] == 0 and st["waiting"] == 0,
+        30,
+        "free slot after the client left",
+    )
     r = httpx.post(server + "/v1/completions", headers=H, json={"prompt": "x = ", "max_tokens": 4}, timeout=60)
     assert r.status_code == 200
 
@@ -125,13 +157,20 @@ def test_auth_overload_and_disconnect_leave_the_server_healthy(server):
 def test_calibration_actor_collects_live_outcomes(server):
     async def traffic():
         async with httpx.AsyncClient(timeout=120) as client:
-            rs = await asyncio.gather(*(client.post(server + "/v1/completions", headers=H,
-                                                    json={"prompt": f"v{i} = ", "max_tokens": 48}) for i in range(6)))
+            rs = await asyncio.gather(
+                *(
+                    client.post(server + "/v1/completions", headers=H, json={"prompt": f"v{i} = ", "max_tokens": 48})
+                    for i in range(6)
+                )
+            )
             return [r.status_code for r in rs]
 
     assert asyncio.run(traffic()) == [200] * 6
-    stats = wait_for(lambda: (st := httpx.get(server + "/v1/calibration", headers=H).json())["rounds_total"] > 0 and st,
-                     30, "calibration rounds")  # the engines send their outcomes every second
+    stats = wait_for(
+        lambda: (st := httpx.get(server + "/v1/calibration", headers=H).json())["rounds_total"] > 0 and st,
+        30,
+        "calibration rounds",
+    )  # the engines send their outcomes every second
     assert len(stats["temperatures"]) == len(stats["biases"]) == 4
     assert json.dumps(stats)  # JSON-safe
 

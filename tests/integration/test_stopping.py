@@ -1,6 +1,7 @@
 """Ctrl-C on jobs/serve.py stops it and every Ray process it started, even while its engine is wedged
 (SIGSTOP: it answers nothing, so the application never becomes ready). The README test checks the
 same of infra/local/stop.sh after a real job."""
+
 import os
 import signal
 import subprocess
@@ -40,12 +41,26 @@ def _named(pid: int, word: str) -> list:
 
 def test_ctrl_c_stops_serve_and_its_local_ray_with_a_wedged_engine():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_"))}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "jobs/serve.py"), "--set", f"serve.port={free_port()}",
-                             "--set", "serve.sps_batches=[1]", "--set", "ray.num_cpus=2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "jobs/serve.py"),
+            "--set",
+            f"serve.port={free_port()}",
+            "--set",
+            "serve.sps_batches=[1]",
+            "--set",
+            "ray.num_cpus=2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
-        engine = wait_for(lambda: proc.poll() is not None or _named(proc.pid, "SpeculativeEngine"), 300,
-                          "engine replica")
+        engine = wait_for(
+            lambda: proc.poll() is not None or _named(proc.pid, "SpeculativeEngine"), 300, "engine replica"
+        )
         assert proc.poll() is None, proc.stdout.read()[-4000:]
         for p in engine:
             p.suspend()  # wedged while starting: serve.run waits for it forever
@@ -58,4 +73,3 @@ def test_ctrl_c_stops_serve_and_its_local_ray_with_a_wedged_engine():
     assert proc.returncode == 0 and "Traceback" not in out, out[-4000:]
     assert "[serve] stopping" in out
     assert _all_gone(started) == []
-

@@ -9,6 +9,7 @@ store (several epochs, each read from S3 again), MLflow on SQLite.
 - One worker of a second run is killed after a committed checkpoint: the run resumes from its latest
   checkpoint and finishes with every step logged exactly once and the reference's final loss (an
   outage delays I/O but changes no number)."""
+
 import json
 import os
 import re
@@ -31,13 +32,34 @@ JOB_TIMEOUT = 900
 def _submit(ray_head, db: Path, run_name: str) -> str:
     """Submits the training job on the shared small cache (the head gives it the object store's
     settings); returns its id."""
-    overrides = [*SMALL_CACHE, f"train.run_name={run_name}", f"train.max_steps={STEPS}",
-                 f"train.checkpoint_every={EVERY}", "train.num_workers=2", "train.zero_stage=2", "train.global_batch=8",
-                 "train.micro_batch=2", "train.lr=3e-3", "train.evaluate=false", f"mlflow.tracking_uri=sqlite:///{db}"]
-    cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit", "--no-wait", "--address",
-           ray_head.env["RAY_ADDRESS"], "--working-dir", str(ROOT), "--runtime-env-json",
-           json.dumps({"env_vars": {"OMP_NUM_THREADS": "1"}, "excludes": [".venv", ".local", ".git", "results"]}),
-           "--", "python", "jobs/train_dspark.py"]
+    overrides = [
+        *SMALL_CACHE,
+        f"train.run_name={run_name}",
+        f"train.max_steps={STEPS}",
+        f"train.checkpoint_every={EVERY}",
+        "train.num_workers=2",
+        "train.zero_stage=2",
+        "train.global_batch=8",
+        "train.micro_batch=2",
+        "train.lr=3e-3",
+        "train.evaluate=false",
+        f"mlflow.tracking_uri=sqlite:///{db}",
+    ]
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "ray"),
+        "job",
+        "submit",
+        "--no-wait",
+        "--address",
+        ray_head.env["RAY_ADDRESS"],
+        "--working-dir",
+        str(ROOT),
+        "--runtime-env-json",
+        json.dumps({"env_vars": {"OMP_NUM_THREADS": "1"}, "excludes": [".venv", ".local", ".git", "results"]}),
+        "--",
+        "python",
+        "jobs/train_dspark.py",
+    ]
     for o in overrides:
         cmd += ["--set", o]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ray_head.env}, timeout=300)
@@ -50,8 +72,9 @@ def _history(db: Path, run_name: str):
     import mlflow
 
     client = mlflow.MlflowClient(f"sqlite:///{db}")
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
-                              f"attributes.run_name = '{run_name}'")
+    runs = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()], f"attributes.run_name = '{run_name}'"
+    )
     if not runs:
         return None, []
     return runs[0], client.get_metric_history(runs[0].info.run_id, "train.loss")
@@ -63,8 +86,9 @@ def _last_step(db: Path, run_name: str) -> int:
 
 def _finish(jobs, job_id: str):
     """The job's final status and its logs (the driver's and, forwarded, its workers')."""
-    status = wait_for(lambda: (s := jobs.get_job_status(job_id)).is_terminal() and s, JOB_TIMEOUT,
-                      f"end of job {job_id}", 1.0)
+    status = wait_for(
+        lambda: (s := jobs.get_job_status(job_id)).is_terminal() and s, JOB_TIMEOUT, f"end of job {job_id}", 1.0
+    )
     return status, jobs.get_job_logs(job_id)
 
 
@@ -91,8 +115,12 @@ def reference(ray_head, small_cache, services_dir, mlflow_db, jobs):
     (steps reach MLflow only then). The run cannot finish without the store (checkpoints and the
     export go to it), so the outage lands while it runs."""
     job_id = _submit(ray_head, mlflow_db, "reference")
-    wait_for(lambda: _last_step(mlflow_db, "reference") or jobs.get_job_status(job_id).is_terminal(), JOB_TIMEOUT,
-             "committed checkpoint", 0.5)
+    wait_for(
+        lambda: _last_step(mlflow_db, "reference") or jobs.get_job_status(job_id).is_terminal(),
+        JOB_TIMEOUT,
+        "committed checkpoint",
+        0.5,
+    )
     outage = not jobs.get_job_status(job_id).is_terminal()
     if outage:
         ObjectStore(services_dir).outage(5.0)
@@ -110,8 +138,15 @@ def test_object_store_outage_during_streaming_does_not_fail_the_run(reference, m
     run = reference["run"]
     params = run.data.params
     assert params["train.zero_stage"] == "2" and params["world_size"] == "2" and params["train.num_workers"] == "2"
-    assert {"train.expected_tau", "train.accept_1", "train.grad_norm", "train.lr", "train.data_wait_frac",
-            "train.tokens_per_s", "train.epoch"} <= set(run.data.metrics)
+    assert {
+        "train.expected_tau",
+        "train.accept_1",
+        "train.grad_norm",
+        "train.lr",
+        "train.data_wait_frac",
+        "train.tokens_per_s",
+        "train.epoch",
+    } <= set(run.data.metrics)
     assert run.data.metrics["train.epoch"] == 2  # the cache was streamed three times
     import mlflow
 
@@ -125,10 +160,21 @@ def test_two_workers_zero2_from_s3_survive_a_killed_worker(ray_head, reference, 
 
     job_id = _submit(ray_head, mlflow_db, "killed")
     ray_job = wait_for(lambda: jobs.get_job_info(job_id).job_id, JOB_TIMEOUT, f"driver of job {job_id}", 1.0)
-    workers = wait_for(lambda: (found := list_actors(
-        address=ray_head.env["RAY_ADDRESS"], filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE"),
-                                                      ("job_id", "=", ray_job)])) and len(found) == 2 and found,
-        JOB_TIMEOUT, "2 training workers", 1.0)
+    workers = wait_for(
+        lambda: (
+            (
+                found := list_actors(
+                    address=ray_head.env["RAY_ADDRESS"],
+                    filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE"), ("job_id", "=", ray_job)],
+                )
+            )
+            and len(found) == 2
+            and found
+        ),
+        JOB_TIMEOUT,
+        "2 training workers",
+        1.0,
+    )
     victim = psutil.Process(workers[1].pid)  # found before training starts: killed as soon as a checkpoint is in
     committed = wait_for(lambda: _last_step(mlflow_db, "killed"), JOB_TIMEOUT, "committed checkpoint", 0.5)
     victim.kill()  # the run still needs its later steps, checkpoints and export: it cannot have finished
@@ -140,6 +186,8 @@ def test_two_workers_zero2_from_s3_survive_a_killed_worker(ray_head, reference, 
     assert sorted(m.step for m in hist) == list(range(1, STEPS + 1))  # no lost or repeated steps
     final = {m.step: m.value for m in reference["hist"]}[STEPS]
     final_killed = {m.step: m.value for m in hist}[STEPS]
-    print(f"[resume] killed after step {committed}, resumed from step {resumed[0]}; final loss {final:.4f} "
-          f"uninterrupted, {final_killed:.4f} after the kill")
+    print(
+        f"[resume] killed after step {committed}, resumed from step {resumed[0]}; final loss {final:.4f} "
+        f"uninterrupted, {final_killed:.4f} after the kill"
+    )
     assert abs(final - final_killed) <= 0.02 * abs(final), (final, final_killed)

@@ -1,6 +1,7 @@
 """Cache format without Ray: codecs, shards written by the builder's own functions, validation,
 the size estimator, read-back against a fresh target forward, checksums verified on read, and
 transcodes that must not overwrite their source or reuse shards built with other settings."""
+
 import logging
 import shutil
 
@@ -17,10 +18,10 @@ from dspark.cache.format import MANIFEST, Manifest, estimate_bytes
 from dspark.cache.lock import CacheLock
 from dspark.cache.read import CacheError, check_shards, decode_batch, iter_local, open_cache
 from dspark.config import load_config
-from dspark.errors import UserError
+from dspark.corpus.conversations import Conversation
 from dspark.corpus.examples import split_examples
 from dspark.corpus.sources import Corpus
-from dspark.corpus.conversations import Conversation
+from dspark.errors import UserError
 from dspark.storage import Storage
 from dspark.target.taps import default_layers, extract, resolve_layers
 
@@ -42,7 +43,7 @@ def test_codecs_roundtrip_and_fp8_error_bound():
     assert torch.equal(bf, x.to(torch.bfloat16).float())  # bit-exact bf16
     f8 = codecs.decode(codecs.encode(x, "fp8"), "fp8", 256).reshape(x.shape)
     amax = x.abs().amax(-1, keepdim=True)
-    assert ((f8 - x).abs() <= 2 ** -4 * x.abs() + amax * 2 ** -10 / 448 + 1e-12).all()
+    assert ((f8 - x).abs() <= 2**-4 * x.abs() + amax * 2**-10 / 448 + 1e-12).all()
     assert len(codecs.encode(x, "fp8")) == 150 * (256 + 4) and len(codecs.encode(x, "bf16")) == 150 * 512
     with pytest.raises(ValueError, match="not a whole number"):
         codecs.decode(b"\x00" * 7, "bf16", 256)
@@ -61,12 +62,33 @@ def built(tmp_path_factory):
     for codec in ("bf16", "fp8"):
         root = tmp_path_factory.mktemp(codec)
         fs = pafs.LocalFileSystem()
-        stats = [publish_shard(fs, str(root), i, make_rows(tgt.model, LAYERS, codec, ids[3 * i:3 * i + 3],
-                                                           ["code"] * 3, seqs[3 * i:3 * i + 3], n_prompt[3 * i:3 * i + 3]))
-                 for i in range(2)]
-        m = Manifest(target={"name": "builtin", "weights_sha256": tgt.weights_sha256}, tokenizer_sha256="",
-                     layers=LAYERS, hidden_size=tgt.config.hidden_size, codec=codec, generation={}, corpus_sha256="",
-                     shards=stats)
+        stats = [
+            publish_shard(
+                fs,
+                str(root),
+                i,
+                make_rows(
+                    tgt.model,
+                    LAYERS,
+                    codec,
+                    ids[3 * i : 3 * i + 3],
+                    ["code"] * 3,
+                    seqs[3 * i : 3 * i + 3],
+                    n_prompt[3 * i : 3 * i + 3],
+                ),
+            )
+            for i in range(2)
+        ]
+        m = Manifest(
+            target={"name": "builtin", "weights_sha256": tgt.weights_sha256},
+            tokenizer_sha256="",
+            layers=LAYERS,
+            hidden_size=tgt.config.hidden_size,
+            codec=codec,
+            generation={},
+            corpus_sha256="",
+            shards=stats,
+        )
         (root / MANIFEST).write_text(m.to_json())
         out[codec] = str(root)
     return tgt, seqs, n_prompt, out
@@ -81,7 +103,9 @@ def _rows(cache):
 def test_read_back_equals_a_fresh_forward(built):
     tgt, seqs, n_prompt, roots = built
     for codec in ("bf16", "fp8"):
-        cache = open_cache(roots[codec], Storage(), expect={"layers": LAYERS, "target.weights_sha256": tgt.weights_sha256})
+        cache = open_cache(
+            roots[codec], Storage(), expect={"layers": LAYERS, "target.weights_sha256": tgt.weights_sha256}
+        )
         batch = decode_batch(_rows(cache), cache.manifest)
         for r, ids in enumerate(seqs):
             feats, last = extract(tgt.model, ids, LAYERS)  # fresh forward, one sequence
@@ -94,7 +118,7 @@ def test_read_back_equals_a_fresh_forward(built):
                 assert torch.equal(got_l, last.to(torch.bfloat16).float())
             else:
                 amax = feats.abs().amax(-1, keepdim=True)
-                assert ((got_f - feats).abs() <= 2 ** -4 * feats.abs() + amax * 2 ** -10 / 448 + 1e-6).all()
+                assert ((got_f - feats).abs() <= 2**-4 * feats.abs() + amax * 2**-10 / 448 + 1e-6).all()
 
 
 def test_estimator_within_five_percent(built):
@@ -198,7 +222,12 @@ def test_a_second_builder_on_one_cache_is_refused(built, tmp_path):
         with pytest.raises(UserError, match=f"cache {dst} is being built by another builder"):
             transcode(src, str(dst), "fp8")
     assert transcode(src, str(dst), "fp8").rows == 6 and sorted(p.name for p in dst.iterdir()) == [
-        "_shards", "_tmp", MANIFEST, "shard-00000.parquet", "shard-00001.parquet"]
+        "_shards",
+        "_tmp",
+        MANIFEST,
+        "shard-00000.parquet",
+        "shard-00001.parquet",
+    ]
 
 
 def test_resumed_transcode_with_other_settings_is_refused_naming_the_keys(built, tmp_path):
@@ -207,8 +236,11 @@ def test_resumed_transcode_with_other_settings_is_refused_naming_the_keys(built,
     dst = tmp_path / "small"
     first = transcode(src, str(dst), "fp8", [1, 3])
     (dst / MANIFEST).unlink()  # the first run died before its manifest
-    with pytest.raises(UserError, match=r"holds shards built with other settings: codec: 'fp8' there, 'bf16' now; "
-                                        r"layers: \[1, 3\] there, \[1, 2, 3\] now; rerun with the settings"):
+    with pytest.raises(
+        UserError,
+        match=r"holds shards built with other settings: codec: 'fp8' there, 'bf16' now; "
+        r"layers: \[1, 3\] there, \[1, 2, 3\] now; rerun with the settings",
+    ):
         transcode(src, str(dst), "bf16")
     assert not (dst / MANIFEST).exists()
     again = transcode(src, str(dst), "fp8", [1, 3], log_fn=pytest.fail)  # same settings: every shard reused

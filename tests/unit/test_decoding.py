@@ -9,6 +9,7 @@ test with enough samples to detect a 2% shift, whose power is shown by catching 
 Exactness holds for any target weights, so full verification runs on the built-in target and the
 other statistical tests (10,000 requests each) on a tiny random Qwen3, where they cost seconds.
 """
+
 import itertools
 import os
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+from tiny_models import tiny_model
 
 from dspark import target as targets
 from dspark.decoding import speculative as spec
@@ -27,8 +29,6 @@ from dspark.models import DrafterConfig, build_drafter
 from dspark.models.drafter import Drafter, Proposal
 from dspark.scheduling import policies
 from dspark.scheduling.sps import SPSTable
-
-from tiny_models import tiny_model
 
 TOP_K = 2
 SP = SamplingParams(1.0, top_k=TOP_K)
@@ -92,8 +92,16 @@ def test_runner_matches_hf_forward_with_rollback(tgt, prompt):
 
 def _drafter(tgt, kind, gamma=5, markov="vanilla"):
     torch.manual_seed(0)
-    c = DrafterConfig.from_target(tgt.config, kind, [1, 2, 3], tgt.tokenizer.mask_token_id, num_layers=1,
-                                  gamma=gamma, markov=markov if kind == "dspark" else "none", markov_rank=32)
+    c = DrafterConfig.from_target(
+        tgt.config,
+        kind,
+        [1, 2, 3],
+        tgt.tokenizer.mask_token_id,
+        num_layers=1,
+        gamma=gamma,
+        markov=markov if kind == "dspark" else "none",
+        markov_rank=32,
+    )
     return build_drafter(c, tgt.model).eval()
 
 
@@ -104,7 +112,8 @@ def test_greedy_speculative_equals_greedy_target(tgt, prompt, kind):
     drafter = _drafter(tgt, kind)
     for policy in (spec.full_length, lambda s, R, g: [2] * R):  # full blocks and truncated l_r < gamma
         out = SpeculativeDecoder(tgt.model, drafter, gamma=5, policy=policy, max_slots=2).run(
-            [Request(p, SamplingParams(0.0), 40) for p in prompts])
+            [Request(p, SamplingParams(0.0), 40) for p in prompts]
+        )
         assert [o.out for o in out] == [p.out for p in plain]
 
 
@@ -195,7 +204,7 @@ def _chi2(law, samples):
     # power against moving 2% of the probability mass between the two most likely sequences
     shift = np.zeros_like(exp)
     shift[0], shift[1] = -0.02 * n, 0.02 * n
-    lam = float((shift ** 2 / exp).sum())
+    lam = float((shift**2 / exp).sum())
     df = len(exp) - 1
     power = float(stats.ncx2.sf(stats.chi2.isf(1e-3, df), df, lam))
     return p_value, power
@@ -220,12 +229,15 @@ def _async_policy():
     return policies.make_policy("async", KNEE, static_len=2)
 
 
-@pytest.mark.parametrize("target, name, policy", [
-    ("builtin", "full", spec.full_length),
-    ("tiny", "random truncation", lambda s, R, g: np.random.default_rng(R).integers(0, g + 1, R).tolist()),
-    ("tiny", "algorithm 1", _greedy_policy),
-    ("tiny", "async global", "async"),
-])
+@pytest.mark.parametrize(
+    "target, name, policy",
+    [
+        ("builtin", "full", spec.full_length),
+        ("tiny", "random truncation", lambda s, R, g: np.random.default_rng(R).integers(0, g + 1, R).tolist()),
+        ("tiny", "algorithm 1", _greedy_policy),
+        ("tiny", "async global", "async"),
+    ],
+)
 def test_sampling_matches_target_distribution(request, target, name, policy):
     model, prompt = request.getfixturevalue(target)
     law = _exact_law(model, prompt)
@@ -236,9 +248,11 @@ def test_sampling_matches_target_distribution(request, target, name, policy):
     rounds = [r for q in reqs for r in q.rounds]
     accepted, verified = sum(r.accepted for r in rounds), sum(r.verified for r in rounds)
     truncated = sum(0 < r.verified < 4 for r in rounds) / len(rounds)
-    print(f"[exactness] {name} ({target} target): n={n}, chi-square p={p_value:.3f}, power vs a 2% shift {power:.3f}, "
-          f"mean verified {verified / len(rounds):.2f} of 4, truncated rounds {truncated:.2f}, "
-          f"draft acceptance {accepted / max(verified, 1):.2f}")
+    print(
+        f"[exactness] {name} ({target} target): n={n}, chi-square p={p_value:.3f}, power vs a 2% shift {power:.3f}, "
+        f"mean verified {verified / len(rounds):.2f} of 4, truncated rounds {truncated:.2f}, "
+        f"draft acceptance {accepted / max(verified, 1):.2f}"
+    )
     assert power >= 0.9, power  # this many samples would catch a 2% shift
     assert 0.2 < accepted / max(verified, 1) < 0.95  # both the accept and the reject paths are exercised
     assert verified / len(rounds) > 0.5  # speculation really happened (not plain target sampling)
@@ -256,8 +270,9 @@ def test_skipping_the_drafter_after_an_idle_round_keeps_the_target_distribution(
     def alternate(s, R, g):
         return [0] * R if next(calls) % 2 == 0 else [g] * R
 
-    dec = SpeculativeDecoder(model, PerturbedTarget(model, 4), gamma=4, policy=alternate, max_slots=256,
-                             capacity=64, idle_probe=1)
+    dec = SpeculativeDecoder(
+        model, PerturbedTarget(model, 4), gamma=4, policy=alternate, max_slots=256, capacity=64, idle_probe=1
+    )
     reqs = dec.run([Request(prompt, SP, 3, seed) for seed in range(10_000)])
     p_value, power = _chi2(law, [tuple(r.out[:3]) for r in reqs])
     rounds = [r for q in reqs for r in q.rounds]
@@ -292,8 +307,10 @@ def test_chi_square_catches_a_broken_verifier(tiny, monkeypatch):
     samples, _ = _sample(model, prompt, PerturbedTarget(model, 4), spec.full_length, n)
     p_value, _ = _chi2(law, [s for s in samples if s in law])  # the test sees it even inside the support
     outside = sum(s not in law for s in samples)
-    print(f"[exactness] broken verifier (accepts every draft): n={n}, {outside} samples outside the target's "
-          f"support, chi-square p={p_value:.2e} on the rest")
+    print(
+        f"[exactness] broken verifier (accepts every draft): n={n}, {outside} samples outside the target's "
+        f"support, chi-square p={p_value:.2e} on the rest"
+    )
     assert outside > 0 and p_value < 1e-6
 
 
@@ -310,7 +327,11 @@ def test_drafter_failure_falls_back_to_exact_target_decoding(tgt, prompt):
 
 def _mixed_schedules():
     """Different verification lengths, calibration-like policy changes and batch-mates for one request."""
-    return [spec.full_length, lambda s, R, g: [1] * R, lambda s, R, g: np.random.default_rng(R).integers(0, g + 1, R).tolist()]
+    return [
+        spec.full_length,
+        lambda s, R, g: [1] * R,
+        lambda s, R, g: np.random.default_rng(R).integers(0, g + 1, R).tolist(),
+    ]
 
 
 def test_seeded_requests_are_reproducible_whatever_the_schedule(tiny):
@@ -322,7 +343,8 @@ def test_seeded_requests_are_reproducible_whatever_the_schedule(tiny):
     drafter = PerturbedTarget(model, 4)
     seeds = range(24)
     plain = SpeculativeDecoder(model, None, max_slots=24).run(
-        [Request(prompt, SP, 10, s, reproducible=True) for s in seeds])
+        [Request(prompt, SP, 10, s, reproducible=True) for s in seeds]
+    )
     for policy in _mixed_schedules():
         mates = [Request(prompt[:4], SP, 7, 1000 + s) for s in range(8)]  # unseeded neighbours in the same rounds
         reqs = [Request(prompt, SP, 10, s, reproducible=True) for s in seeds]
@@ -339,7 +361,8 @@ def test_seeded_sampling_matches_target_distribution(tiny):
     law = _exact_law(model, prompt)
     n = 10_000
     reqs = SpeculativeDecoder(model, None, max_slots=256, capacity=64).run(
-        [Request(prompt, SP, 3, seed, reproducible=True) for seed in range(n)])
+        [Request(prompt, SP, 3, seed, reproducible=True) for seed in range(n)]
+    )
     p_value, power = _chi2(law, [tuple(r.out[:3]) for r in reqs])
     print(f"[exactness] seeded (Gumbel-max) sampling: n={n}, chi-square p={p_value:.3f}, power {power:.3f}")
     assert power >= 0.9 and p_value > 1e-3, p_value
@@ -363,7 +386,7 @@ class NaNAfter(PerturbedTarget):
 
     def propose(self, states, anchors, gamma, sample):
         prop = super().propose(states, anchors, gamma, sample)
-        prop.probs[:, self.bad:] = float("nan")
+        prop.probs[:, self.bad :] = float("nan")
         return prop
 
 

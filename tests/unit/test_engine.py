@@ -21,8 +21,9 @@ def tgt():
 @pytest.fixture(scope="module")
 def drafter(tgt):
     torch.manual_seed(0)
-    c = DrafterConfig.from_target(tgt.config, "dspark", [1, 2, 3], tgt.tokenizer.mask_token_id, num_layers=1, gamma=4,
-                                  markov_rank=32)
+    c = DrafterConfig.from_target(
+        tgt.config, "dspark", [1, 2, 3], tgt.tokenizer.mask_token_id, num_layers=1, gamma=4, markov_rank=32
+    )
     return build_drafter(c, tgt.model).eval()
 
 
@@ -41,15 +42,25 @@ def ids_of(tgt, prompt):
 @pytest.mark.parametrize("policy", ["greedy", "async", "static", "threshold", "none"])
 def test_concurrent_requests_get_exact_greedy_outputs(tgt, drafter, policy):
     prompts = [f"def g{i}(a):\n" for i in range(7)]
-    eng = Engine(tgt.model, tgt.tokenizer, drafter, gamma=4, policy=policy, sps=SPSTable.synthetic("smooth"), max_batch=3, max_queue=16,
-                 idle_probe=2)  # rounds that verify nothing make the next two skip the drafter
+    eng = Engine(
+        tgt.model,
+        tgt.tokenizer,
+        drafter,
+        gamma=4,
+        policy=policy,
+        sps=SPSTable.synthetic("smooth"),
+        max_batch=3,
+        max_queue=16,
+        idle_probe=2,
+    )  # rounds that verify nothing make the next two skip the drafter
     try:
         streams = [eng.submit(ids_of(tgt, p), SamplingParams(0.0), 16, 0) for p in prompts]  # 7 requests, 3 slots
         outs = [collect(s) for s in streams]
     finally:
         eng.close()
-    plain = SpeculativeDecoder(tgt.model, None).run([Request(ids_of(tgt, p), SamplingParams(0.0), 16, 0,
-                                                             (tgt.tokenizer.eos_token_id,)) for p in prompts])
+    plain = SpeculativeDecoder(tgt.model, None).run(
+        [Request(ids_of(tgt, p), SamplingParams(0.0), 16, 0, (tgt.tokenizer.eos_token_id,)) for p in prompts]
+    )
     for (text, done), ref in zip(outs, plain):
         assert isinstance(done, Done) and text == tgt.tokenizer.decode(ref.out, skip_special_tokens=True)
         assert done.info["completion_tokens"] == len(ref.out)
@@ -58,7 +69,16 @@ def test_concurrent_requests_get_exact_greedy_outputs(tgt, drafter, policy):
 
 
 def test_queue_bound_cancel_and_stop(tgt, drafter):
-    eng = Engine(tgt.model, tgt.tokenizer, drafter, gamma=4, policy="greedy", sps=SPSTable.synthetic("smooth"), max_batch=1, max_queue=2)
+    eng = Engine(
+        tgt.model,
+        tgt.tokenizer,
+        drafter,
+        gamma=4,
+        policy="greedy",
+        sps=SPSTable.synthetic("smooth"),
+        max_batch=1,
+        max_queue=2,
+    )
     try:
         with pytest.raises(ValueError, match="context limit"):
             eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 10_000, 0)
@@ -88,7 +108,16 @@ def drain(stream, timeout=120):
 
 
 def test_cancelling_a_queued_request_ends_its_stream(tgt, drafter):
-    eng = Engine(tgt.model, tgt.tokenizer, drafter, gamma=4, policy="greedy", sps=SPSTable.synthetic("smooth"), max_batch=1, max_queue=4)
+    eng = Engine(
+        tgt.model,
+        tgt.tokenizer,
+        drafter,
+        gamma=4,
+        policy="greedy",
+        sps=SPSTable.synthetic("smooth"),
+        max_batch=1,
+        max_queue=4,
+    )
     woken = []
     try:
         busy = eng.submit(ids_of(tgt, "a = "), SamplingParams(1.0), 1500, 0)
@@ -112,7 +141,16 @@ def text_of(events):
 def test_tiny_temperature_requests_never_leak_slots(tgt, drafter):
     """temperature=1e-40 once gave NaN at prefill and leaked the slot: after max_batch of them nothing
     was admitted again."""
-    eng = Engine(tgt.model, tgt.tokenizer, drafter, gamma=4, policy="greedy", sps=SPSTable.synthetic("smooth"), max_batch=2, max_queue=8)
+    eng = Engine(
+        tgt.model,
+        tgt.tokenizer,
+        drafter,
+        gamma=4,
+        policy="greedy",
+        sps=SPSTable.synthetic("smooth"),
+        max_batch=2,
+        max_queue=8,
+    )
     try:
         streams = [eng.submit(ids_of(tgt, f"x{i} = "), SamplingParams(1e-40), 6) for i in range(5)]
         runs = [drain(s) for s in streams]
@@ -129,14 +167,24 @@ def test_seed_pins_the_output_and_no_seed_varies_it(tgt, drafter):
     (the engine's schedule changes between the two); requests without a seed are not all seed 0."""
     from dspark.calibration.sts import Calibration
 
-    eng = Engine(tgt.model, tgt.tokenizer, drafter, gamma=4, policy="greedy", sps=SPSTable.synthetic("smooth"), max_batch=3, max_queue=16)
+    eng = Engine(
+        tgt.model,
+        tgt.tokenizer,
+        drafter,
+        gamma=4,
+        policy="greedy",
+        sps=SPSTable.synthetic("smooth"),
+        max_batch=3,
+        max_queue=16,
+    )
     try:
         first = drain(eng.submit(ids_of(tgt, "def f(x):"), SamplingParams(1.0), 24, 3))
         eng.set_calibration(Calibration([1.0] * 4, [-8.0] * 4))  # almost no draft is verified from now on
         others = [eng.submit(ids_of(tgt, f"y{i} = "), SamplingParams(1.0), 24) for i in range(2)]
         second = drain(eng.submit(ids_of(tgt, "def f(x):"), SamplingParams(1.0), 24, 3))
         unseeded = [text_of(drain(s)) for s in others] + [
-            text_of(drain(eng.submit(ids_of(tgt, "def f(x):"), SamplingParams(1.0), 24))) for _ in range(2)]
+            text_of(drain(eng.submit(ids_of(tgt, "def f(x):"), SamplingParams(1.0), 24))) for _ in range(2)
+        ]
         assert text_of(first) == text_of(second)
         assert unseeded[2] != unseeded[3]  # 24 tokens at T=1 from a high-entropy target: equal only if seeded alike
         assert first[-1].info["speculative"] != second[-1].info["speculative"]  # and the schedule did differ
@@ -149,7 +197,9 @@ def test_wrong_length_calibration_is_refused_up_front(tgt, drafter):
     from dspark.errors import UserError
 
     with pytest.raises(UserError, match="calibration has 2 positions but gamma=4"):
-        Engine(tgt.model, tgt.tokenizer, drafter, gamma=4, policy="greedy", calibration=Calibration([1.0, 1.0], [0.0, 0.0]))
+        Engine(
+            tgt.model, tgt.tokenizer, drafter, gamma=4, policy="greedy", calibration=Calibration([1.0, 1.0], [0.0, 0.0])
+        )
     eng = Engine(tgt.model, tgt.tokenizer, drafter, gamma=4, policy="greedy", max_batch=1)
     try:
         with pytest.raises(UserError):
@@ -165,7 +215,7 @@ def test_errors_are_events_with_an_http_status(tgt, drafter):
         with pytest.raises(ValueError, match="context limit of 64"):
             eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 100)
         with pytest.raises(ValueError, match="seed"):
-            eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 8, 2 ** 64)
+            eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 8, 2**64)
         eng.decoder.drafter.extend = None  # every prefill now fails inside the engine thread
         ev = drain(eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 8))[-1]
         assert isinstance(ev, Error) and ev.status == 500 and "prefill failed" in ev.message

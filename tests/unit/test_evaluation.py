@@ -1,6 +1,7 @@
 """The offline evaluation end to end on the built-in target with a small untrained drafter: speed
 rows, the calibration study (STS fit on validation rounds, held-out report, threshold sweep), its
 plots and what goes to MLflow."""
+
 import json
 
 import torch
@@ -26,13 +27,22 @@ class Recorder:
 
 
 def test_evaluate_reports_calibration_with_sweep_and_plots(tmp_path):
-    cfg = load_config(overrides=["eval.gamma=3", "eval.temperatures=[1.0]", "eval.prompts_per_domain=1",
-                                 "eval.max_new_tokens=6", "eval.calibration_prompts_per_domain=3",
-                                 "eval.calibration_max_new_tokens=10", "eval.calibration_batch=4"])
+    cfg = load_config(
+        overrides=[
+            "eval.gamma=3",
+            "eval.temperatures=[1.0]",
+            "eval.prompts_per_domain=1",
+            "eval.max_new_tokens=6",
+            "eval.calibration_prompts_per_domain=3",
+            "eval.calibration_max_new_tokens=10",
+            "eval.calibration_batch=4",
+        ]
+    )
     tgt = targets.load("builtin")
     torch.manual_seed(0)
-    dc = DrafterConfig.from_target(tgt.config, "dspark", [1, 2, 3], tgt.tokenizer.mask_token_id, num_layers=1,
-                                   gamma=3, markov_rank=32)
+    dc = DrafterConfig.from_target(
+        tgt.config, "dspark", [1, 2, 3], tgt.tokenizer.mask_token_id, num_layers=1, gamma=3, markov_rank=32
+    )
     res = evaluation.evaluate(cfg, tgt, {"d": build_drafter(dc, tgt.model).eval()}, Corpus.load(cfg.corpus), tmp_path)
     cal = json.loads((tmp_path / "results.json").read_text())["calibration"]["d"]
     assert len(cal["calibration"]["temperatures"]) == len(cal["calibration"]["biases"]) == 3 and cal["fit_rounds"] > 0
@@ -41,7 +51,9 @@ def test_evaluate_reports_calibration_with_sweep_and_plots(tmp_path):
         assert d["prompts"] == 3 and d["positions"][0]["n"] == d["rounds"] > 0  # every round verified all drafts
         assert all(p[f"ece_{m}"] >= 0 for p in d["positions"] for m in ("raw", "sts", "sts_bias", "matched_sts_bias"))
         sweep = {r["threshold"]: r for r in d["threshold_sweep"]}
-        assert sweep[0.0]["verified"] == 3 and sweep[0.9]["verified"] <= sweep[0.5]["verified"] <= sweep[0.0]["verified"]
+        assert (
+            sweep[0.0]["verified"] == 3 and sweep[0.9]["verified"] <= sweep[0.5]["verified"] <= sweep[0.0]["verified"]
+        )
     for f in ("reliability_d.png", "threshold_sweep_d.png", "conditional_acceptance.png"):
         assert (tmp_path / f).stat().st_size > 10_000
     assert "| d | prose | " in (tmp_path / "results.md").read_text()

@@ -1,6 +1,7 @@
 """The HTTP ingress against a scripted engine (no Ray): engine errors (first or mid-stream, with or
 without a status, or the engine call itself failing) become JSON errors or an SSE error event, seeds
 and OpenAI fields are checked, and the API key guards every route but /health before the body is read."""
+
 import json
 from types import SimpleNamespace
 
@@ -65,18 +66,21 @@ def client(monkeypatch, engine, *overrides):
 
 
 def sse(r) -> list:
-    return [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
 
 
-@pytest.mark.parametrize("events, fail, status, message", [
-    ([Error("4 requests already waiting", 429)], None, 429, "already waiting"),
-    ([Error("KV cache full")], None, 500, "KV cache full"),  # an error with the default status
-    ([Text("ab"), Error("round failed")], None, 500, "round failed"),  # mid-answer
-    ([Text("ab"), Error("cannot fit now", 503)], None, 503, "cannot fit"),
-    ([], RayActorError(), 503, "unavailable"),  # the replica died
-    ([Text("ab")], RuntimeError("lost"), 500, "RuntimeError"),
-    ([Text("ab")], None, 500, "without a result"),  # the stream ended without done or error
-])
+@pytest.mark.parametrize(
+    "events, fail, status, message",
+    [
+        ([Error("4 requests already waiting", 429)], None, 429, "already waiting"),
+        ([Error("KV cache full")], None, 500, "KV cache full"),  # an error with the default status
+        ([Text("ab"), Error("round failed")], None, 500, "round failed"),  # mid-answer
+        ([Text("ab"), Error("cannot fit now", 503)], None, 503, "cannot fit"),
+        ([], RayActorError(), 503, "unavailable"),  # the replica died
+        ([Text("ab")], RuntimeError("lost"), 500, "RuntimeError"),
+        ([Text("ab")], None, 500, "without a result"),  # the stream ended without done or error
+    ],
+)
 def test_engine_errors_become_json_errors_with_their_status(monkeypatch, events, fail, status, message):
     engine = Engine(*events, fail=fail)
     r = client(monkeypatch, engine).post("/v1/completions", json={"prompt": "x"})
@@ -85,23 +89,32 @@ def test_engine_errors_become_json_errors_with_their_status(monkeypatch, events,
     assert engine.calls[0].cancelled  # the engine-side call is released
 
 
-@pytest.mark.parametrize("events, fail, status, message", [
-    ([Text("ab"), Error("round failed")], None, 500, "round failed"),
-    ([Text("ab"), Error("cannot fit now", 503)], None, 503, "cannot fit"),
-    ([Text("ab")], RayActorError(), 503, "unavailable"),
-])
+@pytest.mark.parametrize(
+    "events, fail, status, message",
+    [
+        ([Text("ab"), Error("round failed")], None, 500, "round failed"),
+        ([Text("ab"), Error("cannot fit now", 503)], None, 503, "cannot fit"),
+        ([Text("ab")], RayActorError(), 503, "unavailable"),
+    ],
+)
 @pytest.mark.parametrize("chat", [False, True])
 def test_error_mid_stream_is_an_error_event_never_done(monkeypatch, events, fail, status, message, chat):
     engine = Engine(*events, fail=fail)
-    route, body = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}) if chat else \
-        ("/v1/completions", {"prompt": "x"})
+    route, body = (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+        if chat
+        else ("/v1/completions", {"prompt": "x"})
+    )
     with client(monkeypatch, engine).stream("POST", route, json={**body, "stream": True}) as r:
         assert r.status_code == 200
         data = sse(r)
     assert "[DONE]" not in data  # a cut-short answer never looks complete
     err = json.loads(data[-1])["error"]
     assert message in err["message"] and err["type"] == "server_error"
-    texts = [json.loads(d)["choices"][0].get("text") or json.loads(d)["choices"][0]["delta"].get("content") for d in data[:-1]]
+    texts = [
+        json.loads(d)["choices"][0].get("text") or json.loads(d)["choices"][0]["delta"].get("content")
+        for d in data[:-1]
+    ]
     assert "ab" in texts and engine.calls[0].cancelled
 
 
@@ -119,37 +132,70 @@ def test_seed_none_passes_through_and_out_of_range_seeds_are_400(monkeypatch):
     assert engine.bodies[-1]["seed"] is None  # the engine picks a fresh seed, not 0 for everyone
     assert c.post("/v1/completions", json={"prompt": "x", "seed": None, "temperature": None}).status_code == 200
     assert engine.bodies[-1]["seed"] is None and engine.bodies[-1]["temperature"] == 1.0  # null: unset
-    assert c.post("/v1/completions", json={"prompt": "x", "seed": 2 ** 63 - 1}).status_code == 200
-    for seed in (2 ** 63, 2 ** 64, -1):
+    assert c.post("/v1/completions", json={"prompt": "x", "seed": 2**63 - 1}).status_code == 200
+    for seed in (2**63, 2**64, -1):
         r = c.post("/v1/completions", json={"prompt": "x", "seed": seed})
         assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
     assert len(engine.bodies) == 3
 
 
-@pytest.mark.parametrize("extra, named", [
-    ({"logprobs": 2}, "logprobs"), ({"logprobs": True}, "logprobs"), ({"top_logprobs": 3}, "top_logprobs"),
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
-    ({"logit_bias": {"42": 100}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"), ({"n": 2}, "n"),
-    ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"), ({"suffix": "}"}, "suffix"),
-    ({"frobnicate": 1}, "frobnicate"), ({"max_completion_tokens": 4}, "max_completion_tokens"),  # chat only
-    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
-    ({"top_p": float("nan")}, "top_p"),
-])
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ({"logprobs": 2}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1}, "frequency_penalty"),
+        ({"logit_bias": {"42": 100}}, "logit_bias"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"n": 2}, "n"),
+        ({"best_of": 3}, "best_of"),
+        ({"echo": True}, "echo"),
+        ({"suffix": "}"}, "suffix"),
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"max_completion_tokens": 4}, "max_completion_tokens"),  # chat only
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+    ],
+)
 def test_unsupported_and_unknown_fields_are_400_naming_them(monkeypatch, extra, named):
     engine = Engine(Text("ab"), DONE)
     content = json.dumps({"prompt": "x", **extra})  # NaN and Infinity as Python's json writes them
-    r = client(monkeypatch, engine).post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
+    r = client(monkeypatch, engine).post(
+        "/v1/completions", content=content, headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == named and r.json()["error"]["message"].startswith(f"{named}:")
     assert engine.bodies == []
 
 
-@pytest.mark.parametrize("extra", [
-    {"logprobs": None}, {"logprobs": False}, {"logprobs": 0}, {"presence_penalty": 0}, {"frequency_penalty": 0.0},
-    {"logit_bias": {}}, {"response_format": {"type": "text"}}, {"tools": []}, {"n": 1}, {"best_of": 1}, {"echo": False},
-    {"user": "u-1", "metadata": {"a": "b"}, "store": False, "service_tier": "auto", "stream_options": {"include_usage": True}},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"logprobs": None},
+        {"logprobs": False},
+        {"logprobs": 0},
+        {"presence_penalty": 0},
+        {"frequency_penalty": 0.0},
+        {"logit_bias": {}},
+        {"response_format": {"type": "text"}},
+        {"tools": []},
+        {"n": 1},
+        {"best_of": 1},
+        {"echo": False},
+        {
+            "user": "u-1",
+            "metadata": {"a": "b"},
+            "store": False,
+            "service_tier": "auto",
+            "stream_options": {"include_usage": True},
+        },
+    ],
+)
 def test_neutral_values_and_metadata_are_accepted(monkeypatch, extra):
     engine = Engine(Text("ab"), DONE)
     r = client(monkeypatch, engine).post("/v1/completions", json={"prompt": "x", **extra})
@@ -190,10 +236,15 @@ def test_api_key_guards_every_route_but_health_before_the_body_is_read(monkeypat
 
 def test_bad_bodies_are_400_without_a_key(monkeypatch):
     c = client(monkeypatch, Engine(Text("ab"), DONE))
-    for body, named in ((b"{not json", "not valid JSON"), (b"[]", "JSON object"), (b"null", "JSON object"),
-                        (b'{"prompt": 3}', "prompt"), (b'{"messages": []}', "messages"),
-                        (b'{"prompt": "\\ud800"}', "prompt"),  # a lone surrogate: no tokenizer takes it
-                        (b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', "messages.0.content")):
+    for body, named in (
+        (b"{not json", "not valid JSON"),
+        (b"[]", "JSON object"),
+        (b"null", "JSON object"),
+        (b'{"prompt": 3}', "prompt"),
+        (b'{"messages": []}', "messages"),
+        (b'{"prompt": "\\ud800"}', "prompt"),  # a lone surrogate: no tokenizer takes it
+        (b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', "messages.0.content"),
+    ):
         route = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
         r = c.post(route, content=body, headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and named in r.json()["error"]["message"], (body, r.text)

@@ -1,4 +1,5 @@
 """Cluster manifests parse, point at the real entry point, and pass only valid config keys."""
+
 import re
 import shlex
 from pathlib import Path
@@ -54,8 +55,10 @@ def test_cluster_launcher_mounts_and_installs_the_project():
 def test_serve_configs_build_the_real_application_with_valid_settings():
     import importlib
 
-    for path, get in ((ROOT / "serving/config.yaml", lambda d: d["applications"][0]),
-                      (ROOT / "infra/k8s/rayservice.yaml", lambda d: yaml.safe_load(d["spec"]["serveConfigV2"])["applications"][0])):
+    for path, get in (
+        (ROOT / "serving/config.yaml", lambda d: d["applications"][0]),
+        (ROOT / "infra/k8s/rayservice.yaml", lambda d: yaml.safe_load(d["spec"]["serveConfigV2"])["applications"][0]),
+    ):
         app = get(yaml.safe_load(path.read_text()))
         module, attr = app["import_path"].split(":")
         assert callable(getattr(importlib.import_module(module), attr)), path

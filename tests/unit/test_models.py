@@ -4,6 +4,7 @@ Training packs N anchors per sequence into one forward (block mask, absolute pos
 forcing); decoding drafts one block per request from a KV cache of committed positions. For every
 drafter family the logits (and confidence logits) of both paths must agree.
 """
+
 import pytest
 import torch
 
@@ -23,8 +24,16 @@ def tgt():
 
 def _drafter(tgt, kind, markov):
     torch.manual_seed(0)
-    c = DrafterConfig.from_target(tgt.config, kind, [1, 2, 3], tgt.tokenizer.mask_token_id, num_layers=2,
-                                  gamma=GAMMA, markov=markov, markov_rank=32)
+    c = DrafterConfig.from_target(
+        tgt.config,
+        kind,
+        [1, 2, 3],
+        tgt.tokenizer.mask_token_id,
+        num_layers=2,
+        gamma=GAMMA,
+        markov=markov,
+        markov_rank=32,
+    )
     d = build_drafter(c, tgt.model).eval()
     with torch.no_grad():  # random, non-trivial Markov and confidence heads (some start at zero)
         for p in d.parameters():
@@ -39,12 +48,14 @@ def _batch(tgt, B=2):
     ids = torch.randint(10, tgt.config.vocab_size, (B, T), generator=g)
     feats = torch.randn(B, T, 3, d, generator=g)
     valid = torch.ones(B, T, dtype=torch.bool)
-    valid[1, T - 3:] = False  # a padded row
+    valid[1, T - 3 :] = False  # a padded row
     return ids, feats, valid
 
 
-@pytest.mark.parametrize("kind, markov", [("dspark", "vanilla"), ("dspark", "gated"), ("dspark", "rnn"),
-                                          ("dflash", "none"), ("eagle3", "none")])
+@pytest.mark.parametrize(
+    "kind, markov",
+    [("dspark", "vanilla"), ("dspark", "gated"), ("dspark", "rnn"), ("dflash", "none"), ("eagle3", "none")],
+)
 def test_packed_training_equals_per_block_decoding(tgt, kind, markov):
     drafter = _drafter(tgt, kind, markov)
     ids, feats, valid = _batch(tgt)
@@ -60,7 +71,7 @@ def test_packed_training_equals_per_block_decoding(tgt, kind, markov):
                 return ids[b, p + len(seen)].view(1), torch.softmax(logits, -1)
 
             state = DraftState()  # committed context: positions 0..p-1, each with the token after it
-            drafter.extend([state], [feats[b, :p]], [ids[b, 1:p + 1]])
+            drafter.extend([state], [feats[b, :p]], [ids[b, 1 : p + 1]])
             prop = drafter.propose([state], ids[b, p].view(1), GAMMA, teacher)
             got = torch.stack(seen)  # (G, V)
             assert (got - train["logits"][b, n]).abs().max() < 1e-4, (kind, markov, b, p)
@@ -75,8 +86,13 @@ def test_a_few_steps_on_one_batch_lower_the_loss(tgt, kind, markov):
     ids = torch.tensor([tgt.tokenizer.encode("def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n" * 2)])
     with torch.no_grad():
         hs = tgt.model(ids, output_hidden_states=True).hidden_states  # embeddings, layer 1..L (last: normed)
-    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool), "valid": torch.ones_like(ids, dtype=torch.bool),
-             "features": torch.stack([hs[i] for i in (2, 3, 4)], 2), "last_hidden": hs[-1]}
+    batch = {
+        "input_ids": ids,
+        "loss_mask": torch.ones_like(ids, dtype=torch.bool),
+        "valid": torch.ones_like(ids, dtype=torch.bool),
+        "features": torch.stack([hs[i] for i in (2, 3, 4)], 2),
+        "last_hidden": hs[-1],
+    }
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
     losses = []
     for step in range(12):

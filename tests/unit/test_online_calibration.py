@@ -1,5 +1,6 @@
 """The calibration actor's logic: unbiased (verified-only) observations, decayed counts that follow
 drift, clamped STS refits, and a live calibration error that recovers after a shift."""
+
 import numpy as np
 
 from dspark.calibration import sts
@@ -23,7 +24,15 @@ def feed(cal, logits, ell, acc, in_force):
 def test_follows_a_shift_with_clamped_updates():
     rng = np.random.default_rng(0)
     before, after = (1.0, 1.0, 1.0, 1.0), (3.0, 0.5, 2.0, 1.0)
-    cal = OnlineCalibrator(4, sts.Calibration(list(before), [0.0] * 4), half_life=500, min_rounds=200, refit_every=100, max_change=1.5, window=400)
+    cal = OnlineCalibrator(
+        4,
+        sts.Calibration(list(before), [0.0] * 4),
+        half_life=500,
+        min_rounds=200,
+        refit_every=100,
+        max_change=1.5,
+        window=400,
+    )
     for _ in range(10):
         feed(cal, *rounds(100, before, rng), cal.cal)
     error_before = cal.live_error()

@@ -1,6 +1,7 @@
 """Target-generic data paths: the configured mask token reaches drafters, a bfloat16 target's drafter
 trains in float32, the built-in target renders exactly its historical format, and the evaluation runs
 on named prompt sets from files (multi-turn ones measured turn by turn)."""
+
 import json
 
 import torch
@@ -26,21 +27,30 @@ def test_configured_mask_token_reaches_the_drafter_config():
 
 
 def test_evaluation_on_named_prompt_sets_measures_every_turn(tmp_path):
-    sets = {"chat": [{"turns": ["Say hi.", "Again."]}, {"prompt": "One more."}],
-            "code": [{"messages": [{"role": "user", "content": "def f(x):\n"}]}]}
+    sets = {
+        "chat": [{"turns": ["Say hi.", "Again."]}, {"prompt": "One more."}],
+        "code": [{"messages": [{"role": "user", "content": "def f(x):\n"}]}],
+    }
     for name, records in sets.items():
         (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    cfg = load_config(overrides=["eval.gamma=2", "eval.temperatures=[0.0]", "eval.max_new_tokens=4",
-                                 f"eval.prompt_sets={{chat: {tmp_path / 'chat.jsonl'}, code: {tmp_path / 'code.jsonl'}}}"])
+    cfg = load_config(
+        overrides=[
+            "eval.gamma=2",
+            "eval.temperatures=[0.0]",
+            "eval.max_new_tokens=4",
+            f"eval.prompt_sets={{chat: {tmp_path / 'chat.jsonl'}, code: {tmp_path / 'code.jsonl'}}}",
+        ]
+    )
     tgt = targets.load("builtin")
     prompts = evaluation.eval_prompts(cfg, tgt, None)
     assert {k: len(v) for k, v in prompts.items()} == {"chat": 3, "code": 1}  # two turns + one prompt; one prompt
     assert prompts["chat"][2] == chat_ids(tgt.tokenizer, "One more.")
-    assert prompts["chat"][1][:len(prompts["chat"][0])] == prompts["chat"][0]  # turn 2 follows turn 1 and its answer
+    assert prompts["chat"][1][: len(prompts["chat"][0])] == prompts["chat"][0]  # turn 2 follows turn 1 and its answer
     torch.manual_seed(0)
     dc = DrafterConfig.from_target(tgt.config, "dflash", [1, 2, 3], tgt.mask_token_id, num_layers=1, gamma=2)
-    res = evaluation.evaluate(cfg, tgt, {"d": build_drafter(dc, tgt.model).eval()}, None,
-                              tmp_path / "out", calibrate=False)
+    res = evaluation.evaluate(
+        cfg, tgt, {"d": build_drafter(dc, tgt.model).eval()}, None, tmp_path / "out", calibrate=False
+    )
     rows = {(r.drafter, r.domain): r for r in res["results"]}
     assert set(rows) == {("target", "chat"), ("d", "chat"), ("target", "code"), ("d", "code")}
     assert rows[("d", "chat")].prompts == 3 and rows[("target", "code")].speedup == 1.0
@@ -52,17 +62,30 @@ def test_drafter_of_a_bfloat16_target_trains_in_float32():
     copy of the target's head stay float32 for training, so every kind's loss backpropagates."""
     from types import SimpleNamespace
 
-    from dspark.train.worker import drafter_for
     from dspark.train.loss import LossWeights, drafter_loss
+    from dspark.train.worker import drafter_for
 
     t = 24
-    batch = {"input_ids": torch.randint(0, 4000, (2, t)), "loss_mask": torch.ones(2, t, dtype=torch.bool),
-             "valid": torch.ones(2, t, dtype=torch.bool), "features": torch.randn(2, t, 3, 256),
-             "last_hidden": torch.randn(2, t, 256)}
+    batch = {
+        "input_ids": torch.randint(0, 4000, (2, t)),
+        "loss_mask": torch.ones(2, t, dtype=torch.bool),
+        "valid": torch.ones(2, t, dtype=torch.bool),
+        "features": torch.randn(2, t, 3, 256),
+        "last_hidden": torch.randn(2, t, 256),
+    }
     for kind in ("dspark", "dflash", "eagle3"):
-        cfg = load_config(overrides=["target.dtype=bfloat16", f"train.drafter={kind}", "train.num_layers=1",
-                                     "train.gamma=3", "train.markov_rank=8"])
+        cfg = load_config(
+            overrides=[
+                "target.dtype=bfloat16",
+                f"train.drafter={kind}",
+                "train.num_layers=1",
+                "train.gamma=3",
+                "train.markov_rank=8",
+            ]
+        )
         drafter = drafter_for(cfg, SimpleNamespace(layers=[1, 2, 3], target={"name": "builtin"}), "cpu")
         assert all(p.dtype == torch.float32 for p in drafter.parameters())
-        loss, _, _ = drafter_loss(drafter, batch, 3, 4, LossWeights.from_config(cfg.train), torch.Generator().manual_seed(0))
+        loss, _, _ = drafter_loss(
+            drafter, batch, 3, 4, LossWeights.from_config(cfg.train), torch.Generator().manual_seed(0)
+        )
         loss.backward()

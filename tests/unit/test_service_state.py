@@ -1,5 +1,6 @@
 """Service state files without real services: a stand-in process started and stopped by the same
 code, a reused pid, and damaged state files."""
+
 import json
 import subprocess
 import sys
@@ -53,14 +54,24 @@ def test_stop_leaves_a_process_that_reused_the_pid_alone(tmp_path, bystander):
     assert said.startswith(f"pid {bystander.pid} left alone: the state file has no start time")
     # the service started a minute before the process now holding its pid
     started = psutil.Process(bystander.pid).create_time() - 60
-    svc.state_file.write_text(json.dumps({"name": "objectstore", "pid": bystander.pid, "ports": {}, "started": started}))
+    svc.state_file.write_text(
+        json.dumps({"name": "objectstore", "pid": bystander.pid, "ports": {}, "started": started})
+    )
     assert svc.state() is None  # not reported as running either
     assert svc.stop() == f"not running (pid {bystander.pid} now belongs to another process: left alone)"
     assert bystander.poll() is None and not svc.state_file.exists()
 
 
-@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"name": "objectstore"}', '{"name": "objectstore", '
-                                     '"pid": "12", "ports": {}}', b"\xff\xfe"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        "[1, 2]",
+        '{"name": "objectstore"}',
+        '{"name": "objectstore", "pid": "12", "ports": {}}',
+        b"\xff\xfe",
+    ],
+)
 def test_a_damaged_state_file_is_one_line_naming_it(tmp_path, content):
     svc = Sleeper(tmp_path)
     tmp_path.mkdir(exist_ok=True)
@@ -70,8 +81,12 @@ def test_a_damaged_state_file_is_one_line_naming_it(tmp_path, content):
         svc.state_file.write_text(content)
     with pytest.raises(UserError, match=f"state file {svc.state_file} is damaged"):
         svc.stop()
-    out = subprocess.run([sys.executable, "-m", "dspark.services", "status", "objectstore", "--dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "dspark.services", "status", "objectstore", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     [line] = out.stderr.strip().splitlines()
     assert line.startswith(f"error: state file {svc.state_file} is damaged (")

@@ -1,5 +1,6 @@
 """What a job on the local Ray head inherits: the object store's settings and the checkout's state
 folder. No real service is started here."""
+
 import json
 import os
 import subprocess
@@ -8,8 +9,12 @@ import sys
 from dspark.config import LOCAL_DIR, REPO_ROOT
 from dspark.services import START_ORDER, RayHead, ServiceState, process_started
 
-STORE_ENV = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "key", "AWS_SECRET_ACCESS_KEY": "secret",
-             "AWS_REGION": "us-east-1"}
+STORE_ENV = {
+    "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+    "AWS_ACCESS_KEY_ID": "key",
+    "AWS_SECRET_ACCESS_KEY": "secret",
+    "AWS_REGION": "us-east-1",
+}
 
 
 def _running_object_store(root):
@@ -31,8 +36,12 @@ def test_a_head_started_without_those_settings_is_stale(tmp_path):
     head = RayHead(tmp_path)
     _running_object_store(tmp_path)
     for env, stale in (({}, True), (head.job_env(), False)):
-        proc = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"],
-                                env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"],
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             proc.stdout.readline()  # exec'd: /proc shows its own environment now
             assert head.stale(ServiceState("ray", proc.pid, {})) == stale
@@ -43,7 +52,11 @@ def test_a_head_started_without_those_settings_is_stale(tmp_path):
 
 def test_local_dir_follows_dspark_local_dir(tmp_path):
     code = "from dspark.config import load_config; print(load_config().mlflow.tracking_uri)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "DSPARK_LOCAL_DIR": str(tmp_path)})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "DSPARK_LOCAL_DIR": str(tmp_path)},
+    )
     assert out.stdout.strip() == f"sqlite:///{tmp_path}/mlflow/mlflow.db"
-

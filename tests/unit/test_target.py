@@ -1,6 +1,7 @@
 """Targets: the committed reference target (loads through the public API, meets its quality floor), GGUF
 and package-resource targets converted once (the real SmolLM2), hub snapshots, and the tokens every
 target needs (mask, pad, EOS ids)."""
+
 import copy
 import importlib.util
 import json
@@ -88,7 +89,9 @@ def smollm2():
 def test_gguf_in_a_package_is_converted_once_and_identified_by_its_sha256(smollm2, monkeypatch):
     gguf = targets.package_file(SMOLLM2)
     assert type(smollm2.model).__name__ == "LlamaForCausalLM" and smollm2.config.num_hidden_layers == 30
-    assert Path(smollm2.path).parent == targets.DEFAULT_CACHE_DIR and (Path(smollm2.path) / "model.safetensors").is_file()
+    assert (
+        Path(smollm2.path).parent == targets.DEFAULT_CACHE_DIR and (Path(smollm2.path) / "model.safetensors").is_file()
+    )
     assert smollm2.weights_sha256 == targets.file_sha256(gguf) == targets.weights_hash(smollm2.path)
     assert smollm2.identity()["weights_sha256"] == smollm2.weights_sha256
 
@@ -108,7 +111,7 @@ def test_smollm2_tokens_pad_mask_eos_and_chat_template(smollm2):
     ids = chat_ids(tok, "What is 2+2?")
     assert tok.decode(ids).startswith("<|im_start|>system\n") and tok.decode(ids).endswith("<|im_start|>assistant\n")
     out = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
-    assert "4" in tok.decode(out[0, len(ids):])  # real weights: it answers
+    assert "4" in tok.decode(out[0, len(ids) :])  # real weights: it answers
 
 
 def test_target_names_that_cannot_resolve_are_named(tmp_path):
@@ -160,7 +163,9 @@ def test_default_mask_is_an_unused_special_token_and_pad_falls_back_to_eos(built
     tok = copy.deepcopy(builtin.tokenizer)
     tok.mask_token, tok.pad_token, tok.bos_token = None, None, None  # none of them, like Llama's (no BOS: Qwen's)
     targets.prepare_tokenizer(tok, builtin.config.vocab_size)
-    assert tok.bos_token_id is None and tok.mask_token == MASK  # special, and the chat template never writes it (unlike <|user|> etc.)
+    assert (
+        tok.bos_token_id is None and tok.mask_token == MASK
+    )  # special, and the chat template never writes it (unlike <|user|> etc.)
     assert tok.pad_token_id == tok.eos_token_id
     none_free = copy.deepcopy(builtin.tokenizer)
     none_free.mask_token = None

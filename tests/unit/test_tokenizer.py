@@ -1,7 +1,18 @@
 import pytest
 
-from dspark.corpus.tokenizer import (ASSISTANT, MASK, SPECIAL_TOKENS, chat_ids, chat_text, encode_example,
-                                     encode_prompt, format_prompt, load_tokenizer, to_hf, train_tokenizer)
+from dspark.corpus.tokenizer import (
+    ASSISTANT,
+    MASK,
+    SPECIAL_TOKENS,
+    chat_ids,
+    chat_text,
+    encode_example,
+    encode_prompt,
+    format_prompt,
+    load_tokenizer,
+    to_hf,
+    train_tokenizer,
+)
 from dspark.errors import UserError
 
 TEXT = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.\n"] * 50
@@ -46,16 +57,22 @@ def test_chat_template_matches_training_format(tok_dir):
 def test_chat_helpers_render_prompts_and_conversations_with_the_template(tok_dir):
     tok = load_tokenizer(tok_dir)
     assert chat_ids(tok, "hi") == encode_prompt(tok, "hi")  # one BOS: the template writes it, encode adds none
-    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a"},
-             {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    turns = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
     assert chat_text(tok, turns) == "<|bos|><|system|>be brief<|user|>a<|assistant|>b<|eos|><|user|>c<|assistant|>"
     assert chat_text(tok, turns[:3], add_generation_prompt=False).endswith("b<|eos|>")
 
 
 def test_chat_template_kwargs_reach_the_template_and_its_errors_are_named(tok_dir):
     tok = load_tokenizer(tok_dir)
-    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
-                         "{{ m['content'] }}{% endfor %}{% if shout %}!{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}{% if shout %}!{% endif %}"
+    )
     assert chat_text(tok, "hi") == "hi" and chat_text(tok, "hi", chat_template_kwargs={"shout": True}) == "hi!"
     with pytest.raises(UserError, match="chat template refused the conversation: no tools"):
         chat_text(tok, [{"role": "tool", "content": "x"}])

@@ -1,19 +1,36 @@
 """Tiny random HF decoder-only models of every family the decoding runner supports, for tests that
 need a target's forward but not its quality: the runner-equals-HF tests, and the exactness tests of
 speculative sampling (exact for any target weights), where 10,000 requests then cost seconds."""
+
 import torch
 import transformers
 
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=128, initializer_range=0.3)
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    initializer_range=0.3,
+)
 CONFIGS = {  # family -> its config class and what to switch on beyond TINY
     "llama": (transformers.LlamaConfig, dict(attention_bias=True, mlp_bias=True, rope_theta=500.0)),
     "mistral": (transformers.MistralConfig, dict(sliding_window=5)),
     "qwen2": (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
     "qwen3": (transformers.Qwen3Config, dict(attention_bias=True)),
-    "gemma3_text": (transformers.Gemma3TextConfig, dict(
-        sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        query_pre_attn_scalar=24, rope_local_base_freq=100.0, final_logit_softcapping=3.0)),
+    "gemma3_text": (
+        transformers.Gemma3TextConfig,
+        dict(
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24,
+            rope_local_base_freq=100.0,
+            final_logit_softcapping=3.0,
+        ),
+    ),
 }
 
 

@@ -10,6 +10,7 @@ manifest.json last. Rerunning skips shards already published, after checking tha
 this run's settings (its "built_with" record); one builder at a time holds the cache's lock
 (dspark.cache.lock).
 """
+
 from __future__ import annotations
 
 import io
@@ -88,8 +89,15 @@ class ShardBuilder:
 
     def build_shard(self, shard_id: int, convs: list[Conversation]) -> dict:
         cc = self.cfg.cache
-        turns = regenerate(self.tgt.model, self.tok, convs, cc, cc.seed * 100_003 + shard_id, self.tgt.eos_token_ids,
-                           self.cfg.target.chat_template_kwargs)
+        turns = regenerate(
+            self.tgt.model,
+            self.tok,
+            convs,
+            cc,
+            cc.seed * 100_003 + shard_id,
+            self.tgt.eos_token_ids,
+            self.cfg.target.chat_template_kwargs,
+        )
         cols = make_rows(self.tgt.model, self.layers, cc.codec, *turn_rows(convs, turns))
         fs, root = self.storage.pyarrow_fs(self.cache_uri)
         stats = publish_shard(fs, root, shard_id, cols, shard_record(self.settings, [c.conv_id for c in convs]))
@@ -106,8 +114,9 @@ def shard_record(settings: dict, seq_ids: list[str]) -> dict:
     return {**settings, "examples_sha256": sha256_of("\n".join(seq_ids).encode())}
 
 
-def publish_shard(fs: pafs.FileSystem, root: str, shard_id: int, cols: dict[str, list],
-                  built_with: dict | None = None) -> ShardStats:
+def publish_shard(
+    fs: pafs.FileSystem, root: str, shard_id: int, cols: dict[str, list], built_with: dict | None = None
+) -> ShardStats:
     """Write one shard (then its sidecar: stats and the `built_with` record), each atomically. A shard
     without a record (None: a hand-made cache) is never reused by a resumed build."""
     buf = io.BytesIO()
@@ -116,15 +125,30 @@ def publish_shard(fs: pafs.FileSystem, root: str, shard_id: int, cols: dict[str,
     data = buf.getvalue()
     name = shard_name(shard_id)
     _put_atomic(fs, f"{root}/{name}", data, f"{root}/_tmp")
-    stats = ShardStats(shard_id, name, rows, sum(cols["num_tokens"]),
-                       sum(int(sum(m)) for m in cols["loss_mask"]), len(data), sha256_of(data))
+    stats = ShardStats(
+        shard_id,
+        name,
+        rows,
+        sum(cols["num_tokens"]),
+        sum(int(sum(m)) for m in cols["loss_mask"]),
+        len(data),
+        sha256_of(data),
+    )
     sidecar = json.dumps({**asdict(stats), "built_with": built_with}).encode()
     _put_atomic(fs, f"{root}/_shards/{name}.json", sidecar, f"{root}/_tmp")
     return stats
 
 
-def regenerate(model, tok, convs: list[Conversation], cc, seed: int, eos_ids: tuple[int, ...] = (),
-               chat_template_kwargs: dict | None = None, answer_last: bool = True) -> list[list[tuple[list[int], list[int]]]]:
+def regenerate(
+    model,
+    tok,
+    convs: list[Conversation],
+    cc,
+    seed: int,
+    eos_ids: tuple[int, ...] = (),
+    chat_template_kwargs: dict | None = None,
+    answer_last: bool = True,
+) -> list[list[tuple[list[int], list[int]]]]:
     """The target answers the conversations itself, the paper's protocol: user turn t is rendered with the
     target's chat template after the target's own answers to turns 1..t-1, then answered; batched over the
     conversations turn by turn. Per conversation and turn: (prompt ids, response ids ending at its first EOS);
@@ -149,19 +173,28 @@ def generate(model, prompts: list[list[int]], cc, eos: tuple[int, ...], pad: int
     """Responses to token-id prompts: batched, left-padded, KV-cached HF generation with the configured
     sampling (`cc` is a CacheConfig), each cut after its first EOS."""
     device = next(model.parameters()).device
-    sampling = dict(do_sample=True, temperature=cc.temperature, top_p=cc.top_p, top_k=cc.top_k or None) \
-        if cc.temperature > 0 else dict(do_sample=False)
+    sampling = (
+        dict(do_sample=True, temperature=cc.temperature, top_p=cc.top_p, top_k=cc.top_k or None)
+        if cc.temperature > 0
+        else dict(do_sample=False)
+    )
     responses: list[list[int]] = []
     for i in range(0, len(prompts), cc.batch_size):
-        enc = prompts[i:i + cc.batch_size]
+        enc = prompts[i : i + cc.batch_size]
         width = max(len(e) for e in enc)
         ids = torch.full((len(enc), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for r, e in enumerate(enc):
-            ids[r, width - len(e):] = torch.tensor(e)
-            mask[r, width - len(e):] = 1
-        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=cc.max_new_tokens,
-                             eos_token_id=list(eos), pad_token_id=pad, **sampling)
+            ids[r, width - len(e) :] = torch.tensor(e)
+            mask[r, width - len(e) :] = 1
+        gen = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=cc.max_new_tokens,
+            eos_token_id=list(eos),
+            pad_token_id=pad,
+            **sampling,
+        )
         responses += [cut_response(row, eos) for row in gen[:, width:].tolist()]
     return responses
 
@@ -170,7 +203,7 @@ def cut_response(row: list[int], eos: tuple[int, ...]) -> list[int]:
     """A generated row up to and including its first EOS. What follows is HF's padding of a finished row;
     nothing before the cut is dropped, since the pad token may be an EOS itself (SmolLM2)."""
     end = next((k for k, t in enumerate(row) if t in eos), len(row) - 1)
-    return row[:end + 1]
+    return row[: end + 1]
 
 
 def turn_rows(convs: list[Conversation], turns: list[list[tuple[list[int], list[int]]]]):
@@ -186,16 +219,29 @@ def turn_rows(convs: list[Conversation], turns: list[list[tuple[list[int], list[
     return seq_ids, domains, seqs, n_prompt
 
 
-def make_rows(model, layers: list[int], codec: str, seq_ids: list[str], domains: list[str],
-              seqs: list[list[int]], n_prompt: list[int]) -> dict[str, list]:
+def make_rows(
+    model,
+    layers: list[int],
+    codec: str,
+    seq_ids: list[str],
+    domains: list[str],
+    seqs: list[list[int]],
+    n_prompt: list[int],
+) -> dict[str, list]:
     """Cache rows (columns of SCHEMA) for token sequences whose first n_prompt tokens are the prompt:
     one target forward per sequence captures the tapped layers and the last hidden state."""
     cols: dict[str, list] = {f.name: [] for f in SCHEMA}
     for sid, dom, ids, n in zip(seq_ids, domains, seqs, n_prompt):
         feats, last = extract(model, ids, layers)  # (T, m, d), (T, d)
-        for k, v in (("seq_id", sid), ("domain", dom), ("num_tokens", len(ids)), ("input_ids", ids),
-                     ("loss_mask", [0] * n + [1] * (len(ids) - n)), ("features", codecs.encode(feats, codec)),
-                     ("last_hidden", codecs.encode(last, codec))):
+        for k, v in (
+            ("seq_id", sid),
+            ("domain", dom),
+            ("num_tokens", len(ids)),
+            ("input_ids", ids),
+            ("loss_mask", [0] * n + [1] * (len(ids) - n)),
+            ("features", codecs.encode(feats, codec)),
+            ("last_hidden", codecs.encode(last, codec)),
+        ):
             cols[k].append(v)
     return cols
 
@@ -245,16 +291,23 @@ def check_resume(uri: str, done: dict[int, tuple[ShardStats, dict | None]], want
     diffs: dict[str, tuple] = {}
     for i, (_, have) in sorted(done.items()):
         if have is None:
-            raise UserError(f"cache {uri}: {shard_name(i)} was published without a record of its settings (by an "
-                            f"older version): delete the cache folder or choose another cache.name / cache.uri")
+            raise UserError(
+                f"cache {uri}: {shard_name(i)} was published without a record of its settings (by an "
+                f"older version): delete the cache folder or choose another cache.name / cache.uri"
+            )
         found = differences(have, want[i]) if i in want else [("examples_sha256", have.get("examples_sha256"), None)]
         for key, a, b in found:
             diffs.setdefault(key, (key, a, b))
     if diffs:
-        hint = " (which examples each shard holds: cache.shard_rows, cache.max_examples or the corpus changed)" \
-            if "examples_sha256" in diffs else ""
-        raise UserError(f"cache {uri} holds shards built with other settings{hint}: {describe(list(diffs.values()))}; "
-                        f"rerun with the settings it was started with, or choose another cache.name / cache.uri")
+        hint = (
+            " (which examples each shard holds: cache.shard_rows, cache.max_examples or the corpus changed)"
+            if "examples_sha256" in diffs
+            else ""
+        )
+        raise UserError(
+            f"cache {uri} holds shards built with other settings{hint}: {describe(list(diffs.values()))}; "
+            f"rerun with the settings it was started with, or choose another cache.name / cache.uri"
+        )
 
 
 def build_cache(cfg: Config, tracker=None, log_fn=print) -> Manifest:
@@ -273,16 +326,27 @@ def build_cache(cfg: Config, tracker=None, log_fn=print) -> Manifest:
     tgt_cfg = targets.hf_config(tgt_path)  # sizes and layer ids are validated before any work
     layers = resolve_layers(tgt_cfg.num_hidden_layers, cc.layers, cc.num_layers)
     convs, sources_sha256 = cache_sources(cfg, storage, log_fn)
-    shards = [convs[i:i + cc.shard_rows] for i in range(0, len(convs), cc.shard_rows)]
+    shards = [convs[i : i + cc.shard_rows] for i in range(0, len(convs), cc.shard_rows)]
 
     manifest = Manifest(
-        target={"name": cfg.target.name_or_path, "weights_sha256": targets.weights_hash(tgt_path),
-                "num_layers": tgt_cfg.num_hidden_layers, "vocab_size": tgt_cfg.vocab_size},
+        target={
+            "name": cfg.target.name_or_path,
+            "weights_sha256": targets.weights_hash(tgt_path),
+            "num_layers": tgt_cfg.num_hidden_layers,
+            "vocab_size": tgt_cfg.vocab_size,
+        },
         tokenizer_sha256=targets.tokenizer_hash(tgt_path),
-        layers=layers, hidden_size=tgt_cfg.hidden_size, codec=cc.codec,
-        generation={"temperature": cc.temperature, "top_p": cc.top_p, "top_k": cc.top_k,
-                    "max_new_tokens": cc.max_new_tokens, "seed": cc.seed,
-                    **({"chat_template_kwargs": cfg.target.chat_template_kwargs} if cfg.target.chat_template_kwargs else {})},
+        layers=layers,
+        hidden_size=tgt_cfg.hidden_size,
+        codec=cc.codec,
+        generation={
+            "temperature": cc.temperature,
+            "top_p": cc.top_p,
+            "top_k": cc.top_k,
+            "max_new_tokens": cc.max_new_tokens,
+            "seed": cc.seed,
+            **({"chat_template_kwargs": cfg.target.chat_template_kwargs} if cfg.target.chat_template_kwargs else {}),
+        },
         corpus_sha256=sources_sha256,
     )
     settings = settings_of(manifest)
@@ -293,8 +357,10 @@ def build_cache(cfg: Config, tracker=None, log_fn=print) -> Manifest:
         if not diffs:
             log_fn(f"[cache] {uri} is complete: {old.rows} rows, {old.tokens:,} tokens; nothing to do")
             return old
-        raise UserError(f"cache {uri} already holds a different build ({MANIFEST}: {describe(diffs)}); "
-                        f"choose another cache.name / cache.uri or delete it")
+        raise UserError(
+            f"cache {uri} already holds a different build ({MANIFEST}: {describe(diffs)}); "
+            f"choose another cache.name / cache.uri or delete it"
+        )
 
     want = {i: shard_record(settings, [c.conv_id for c in shard]) for i, shard in enumerate(shards)}
     with CacheLock(storage, uri) as lock:
@@ -302,8 +368,10 @@ def build_cache(cfg: Config, tracker=None, log_fn=print) -> Manifest:
         check_resume(uri, done, want)
         stats = {i: st for i, (st, _) in done.items()}
         todo = [i for i in range(len(shards)) if i not in stats]
-        log_fn(f"[cache] {uri}: {len(convs)} conversations in {len(shards)} shards, {len(stats)} already published; "
-               f"layers {layers}, codec {cc.codec}")
+        log_fn(
+            f"[cache] {uri}: {len(convs)} conversations in {len(shards)} shards, {len(stats)} already published; "
+            f"layers {layers}, codec {cc.codec}"
+        )
         if todo:
             _build_shards(cfg, uri, storage, layers, settings, shards, todo, stats, tracker, log_fn)
         manifest.shards = [stats[i] for i in range(len(shards))]
@@ -311,13 +379,25 @@ def build_cache(cfg: Config, tracker=None, log_fn=print) -> Manifest:
         _put_atomic(fs, f"{root}/{MANIFEST}", manifest.to_json().encode(), f"{root}/_tmp")
         if fs.get_file_info(f"{root}/_tmp").type == pafs.FileType.Directory:
             fs.delete_dir(f"{root}/_tmp")  # leftovers of writers that crashed mid-file (no other builder runs)
-    log_fn(f"[cache] published {uri}/{MANIFEST}: {manifest.rows} rows, {manifest.tokens:,} tokens, "
-           f"{manifest.bytes / 2**20:.1f} MiB ({manifest.bytes / max(manifest.tokens, 1):,.0f} bytes/token)")
+    log_fn(
+        f"[cache] published {uri}/{MANIFEST}: {manifest.rows} rows, {manifest.tokens:,} tokens, "
+        f"{manifest.bytes / 2**20:.1f} MiB ({manifest.bytes / max(manifest.tokens, 1):,.0f} bytes/token)"
+    )
     return manifest
 
 
-def _build_shards(cfg: Config, uri: str, storage: Storage, layers: list[int], settings: dict, shards: list,
-                  todo: list[int], stats: dict[int, ShardStats], tracker, log_fn) -> None:
+def _build_shards(
+    cfg: Config,
+    uri: str,
+    storage: Storage,
+    layers: list[int],
+    settings: dict,
+    shards: list,
+    todo: list[int],
+    stats: dict[int, ShardStats],
+    tracker,
+    log_fn,
+) -> None:
     """Build the shards `todo` on a Ray Data actor pool; their stats land in `stats` as they finish."""
     import ray
 
@@ -325,11 +405,20 @@ def _build_shards(cfg: Config, uri: str, storage: Storage, layers: list[int], se
     items = [{"shard_id": i, "conversations": [c.to_json() for c in shards[i]]} for i in todo]
     quiet_ray_data()
     ds = ray.data.from_items(items, override_num_blocks=len(items))
-    ds = ds.map_batches(ShardBuilder, batch_size=1, compute=ray.data.ActorPoolStrategy(size=cc.num_actors),
-                        num_gpus=cc.num_gpus_per_actor or None,
-                        num_cpus=1 if not cc.num_gpus_per_actor else None,
-                        fn_constructor_kwargs={"cfg_json": cfg.model_dump_json(), "cache_uri": uri, "layers": layers,
-                                               "storage": storage, "settings": settings})
+    ds = ds.map_batches(
+        ShardBuilder,
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=cc.num_actors),
+        num_gpus=cc.num_gpus_per_actor or None,
+        num_cpus=1 if not cc.num_gpus_per_actor else None,
+        fn_constructor_kwargs={
+            "cfg_json": cfg.model_dump_json(),
+            "cache_uri": uri,
+            "layers": layers,
+            "storage": storage,
+            "settings": settings,
+        },
+    )
     t0 = time.perf_counter()
     rows = tokens = nbytes = 0
     for row in ds.iter_rows():
@@ -337,12 +426,22 @@ def _build_shards(cfg: Config, uri: str, storage: Storage, layers: list[int], se
         stats[s.shard_id] = s
         rows, tokens, nbytes = rows + s.rows, tokens + s.tokens, nbytes + s.bytes
         dt = time.perf_counter() - t0
-        log_fn(f"[cache] shard {s.shard_id:5d} ({len(stats)}/{len(shards)}): {s.rows} rows, {s.tokens:,} tokens, "
-               f"{s.bytes / 2**20:.1f} MiB in {row['seconds']:.1f}s | total {rows / dt:.2f} rows/s, "
-               f"{tokens / dt:,.0f} tokens/s, {nbytes / 2**20:.1f} MiB written")
+        log_fn(
+            f"[cache] shard {s.shard_id:5d} ({len(stats)}/{len(shards)}): {s.rows} rows, {s.tokens:,} tokens, "
+            f"{s.bytes / 2**20:.1f} MiB in {row['seconds']:.1f}s | total {rows / dt:.2f} rows/s, "
+            f"{tokens / dt:,.0f} tokens/s, {nbytes / 2**20:.1f} MiB written"
+        )
         if tracker:
-            tracker.metrics({"cache.rows": rows, "cache.tokens": tokens, "cache.bytes": nbytes,
-                             "cache.rows_per_s": rows / dt, "cache.tokens_per_s": tokens / dt}, len(stats))
+            tracker.metrics(
+                {
+                    "cache.rows": rows,
+                    "cache.tokens": tokens,
+                    "cache.bytes": nbytes,
+                    "cache.rows_per_s": rows / dt,
+                    "cache.tokens_per_s": tokens / dt,
+                },
+                len(stats),
+            )
 
 
 def transcode(src, dst_uri: str, codec: str, layers: list[int] | None = None, log_fn=print) -> Manifest:
@@ -351,8 +450,10 @@ def transcode(src, dst_uri: str, codec: str, layers: list[int] | None = None, lo
     already transcoded (with these settings, from these source shards) are skipped. `src` is a
     dspark.cache.read.Cache; its shards are verified as they are read."""
     if Storage.same_place(src.uri, dst_uri):
-        raise UserError(f"cache.source_uri and the destination are the same cache ({dst_uri}): set cache.name "
-                        f"or cache.uri to a new cache")
+        raise UserError(
+            f"cache.source_uri and the destination are the same cache ({dst_uri}): set cache.name "
+            f"or cache.uri to a new cache"
+        )
     m = src.manifest
     layers = list(layers or m.layers)
     missing = [i for i in layers if i not in m.layers]
@@ -361,8 +462,15 @@ def transcode(src, dst_uri: str, codec: str, layers: list[int] | None = None, lo
     keep = [m.layers.index(i) for i in layers]
     fs, root = src.storage.pyarrow_fs(dst_uri)
     fs.create_dir(root, recursive=True)
-    out = Manifest(target=m.target, tokenizer_sha256=m.tokenizer_sha256, layers=layers, hidden_size=m.hidden_size,
-                   codec=codec, generation={**m.generation, "transcoded_from": src.uri}, corpus_sha256=m.corpus_sha256)
+    out = Manifest(
+        target=m.target,
+        tokenizer_sha256=m.tokenizer_sha256,
+        layers=layers,
+        hidden_size=m.hidden_size,
+        codec=codec,
+        generation={**m.generation, "transcoded_from": src.uri},
+        corpus_sha256=m.corpus_sha256,
+    )
     want = {s.shard_id: {**settings_of(out), "source_sha256": s.sha256} for s in m.shards}
     with CacheLock(src.storage, dst_uri) as lock:
         done = published_stats(fs, root)

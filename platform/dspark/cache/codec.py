@@ -6,6 +6,7 @@ raw bytes of one row (sequence) in a binary column; the manifest names the codec
         (n_vec * 4 bytes) followed by the codes (n_vec * dim bytes). Error per element
         <= 2^-4 of its magnitude, plus at most 2^-10 * amax/448 near zero (e4m3 subnormals).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -49,5 +50,5 @@ def decode(buf: bytes, codec: str, dim: int, dtype: torch.dtype = torch.float32)
         t = torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16).reshape(n, dim)
         return t.to(dtype)
     scale = torch.from_numpy(raw[: 4 * n].view(np.float32).copy()).reshape(n, 1)
-    codes = torch.from_numpy(raw[4 * n:].copy()).view(torch.float8_e4m3fn).reshape(n, dim)
+    codes = torch.from_numpy(raw[4 * n :].copy()).view(torch.float8_e4m3fn).reshape(n, dim)
     return (codes.float() * scale).to(dtype)

@@ -21,6 +21,7 @@ Layout under the cache URI:
 Dictionary encoding is off and compression is off for the tensor columns (bf16/fp8 noise does
 not compress; dictionaries made IO several times slower).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,20 +37,29 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TENSOR_COLUMNS = ("features", "last_hidden")
 
-SCHEMA = pa.schema([
-    ("seq_id", pa.string()),
-    ("domain", pa.string()),
-    ("num_tokens", pa.int32()),
-    ("input_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.int8())),
-    ("features", pa.large_binary()),
-    ("last_hidden", pa.large_binary()),
-])
+SCHEMA = pa.schema(
+    [
+        ("seq_id", pa.string()),
+        ("domain", pa.string()),
+        ("num_tokens", pa.int32()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("features", pa.large_binary()),
+        ("last_hidden", pa.large_binary()),
+    ]
+)
 
 PARQUET_OPTIONS = dict(
     use_dictionary=["seq_id", "domain"],
-    compression={"seq_id": "zstd", "domain": "zstd", "num_tokens": "zstd", "input_ids": "zstd",
-                 "loss_mask": "zstd", "features": "none", "last_hidden": "none"},
+    compression={
+        "seq_id": "zstd",
+        "domain": "zstd",
+        "num_tokens": "zstd",
+        "input_ids": "zstd",
+        "loss_mask": "zstd",
+        "features": "none",
+        "last_hidden": "none",
+    },
     write_statistics=["seq_id", "num_tokens"],
 )
 
@@ -97,8 +107,12 @@ class Manifest:
     def to_json(self) -> str:
         d = asdict(self)
         d["schema"] = {f.name: str(f.type) for f in SCHEMA}
-        d["totals"] = {"rows": self.rows, "tokens": self.tokens, "bytes": self.bytes,
-                       "bytes_per_token": self.bytes / max(self.tokens, 1)}
+        d["totals"] = {
+            "rows": self.rows,
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+            "bytes_per_token": self.bytes / max(self.tokens, 1),
+        }
         return json.dumps(d, indent=2) + "\n"
 
     @classmethod

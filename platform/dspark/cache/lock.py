@@ -17,6 +17,7 @@ What this guarantees, and what it does not:
   holder that cannot write its heartbeat for TTL_S (an object-store outage) can lose the lock, and
   then fails at its next check instead of publishing the manifest.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,12 @@ class CacheLock:
         self.uri, self.ttl_s = uri, ttl_s
         self.fs, root = storage.fsspec_fs(uri)
         self.path = f"{root}/{LOCK}"
-        self.me = {"owner": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
-                   "started": process_started(os.getpid())}
+        self.me = {
+            "owner": uuid.uuid4().hex,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": process_started(os.getpid()),
+        }
         self.lost: dict | None = None  # the holder that replaced us, if any
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="cache-lock", daemon=True)
@@ -62,10 +67,14 @@ class CacheLock:
         if holder is not None:
             if not self._stale(holder):
                 age = time.time() - holder.get("heartbeat", 0)
-                raise UserError(f"cache {self.uri} is being built by another builder (pid {holder.get('pid')} on "
-                                f"{holder.get('host')}, heartbeat {age:.0f}s ago): wait for it to finish; if it is gone, "
-                                f"its lock {LOCK} expires {max(0.0, self.ttl_s - age):.0f}s from now")
-            log.warning("taking over the stale lock of %s (pid %s on %s)", self.uri, holder.get("pid"), holder.get("host"))
+                raise UserError(
+                    f"cache {self.uri} is being built by another builder (pid {holder.get('pid')} on "
+                    f"{holder.get('host')}, heartbeat {age:.0f}s ago): wait for it to finish; if it is gone, "
+                    f"its lock {LOCK} expires {max(0.0, self.ttl_s - age):.0f}s from now"
+                )
+            log.warning(
+                "taking over the stale lock of %s (pid %s on %s)", self.uri, holder.get("pid"), holder.get("host")
+            )
             self._remove()
         try:
             with self.fs.open(self.path, "xb") as f:
@@ -84,8 +93,10 @@ class CacheLock:
             holder = self._read() or {}
             self.lost = None if holder.get("owner") == self.me["owner"] else holder
         if self.lost is not None:
-            raise UserError(f"cache {self.uri}: lost its lock {LOCK} to another builder (pid {self.lost.get('pid')} on "
-                            f"{self.lost.get('host')}); nothing more was published by this one")
+            raise UserError(
+                f"cache {self.uri}: lost its lock {LOCK} to another builder (pid {self.lost.get('pid')} on "
+                f"{self.lost.get('host')}); nothing more was published by this one"
+            )
 
     def release(self) -> None:
         self._stop.set()

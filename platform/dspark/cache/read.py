@@ -5,6 +5,7 @@ Every read of a shard for its rows (the Ray Data dataset, iter_local, transcode)
 file once, checks its size and sha256 against the manifest, and only then parses it: a damaged
 shard stops the reader with an error naming it, at the cost of hashing (about 1 GB/s per core) and
 of holding one shard per reader in memory (the builder holds one per actor already)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -50,7 +51,9 @@ def open_cache(uri: str, storage: Storage, expect: dict | None = None) -> Cache:
     if manifest is None:
         raise CacheError(f"no cache at {uri}: {MANIFEST} not found (the build did not finish?)")
     if manifest.format_version != FORMAT_VERSION:
-        raise CacheError(f"{uri}: format_version {manifest.format_version} is not supported (expected {FORMAT_VERSION})")
+        raise CacheError(
+            f"{uri}: format_version {manifest.format_version} is not supported (expected {FORMAT_VERSION})"
+        )
     for key, want in (expect or {}).items():
         have = manifest
         for part in key.split("."):
@@ -69,8 +72,10 @@ def read_manifest(storage: Storage, uri: str) -> Manifest | None:
     except FileNotFoundError:
         return None
     except ValueError as e:  # JSON, UTF-8 or structure
-        raise CacheError(f"{Storage.join(uri, MANIFEST)} is not a valid manifest ({str(e).splitlines()[0]}); "
-                         f"delete it to rebuild the cache") from None
+        raise CacheError(
+            f"{Storage.join(uri, MANIFEST)} is not a valid manifest ({str(e).splitlines()[0]}); "
+            f"delete it to rebuild the cache"
+        ) from None
 
 
 def read_shard(cache: Cache, s: ShardStats) -> pq.ParquetFile:
@@ -151,7 +156,8 @@ def dataset(cache: Cache, shards: list[ShardStats] | None = None, blocks_per_sha
     shards = shards if shards is not None else cache.manifest.shards
     items = [{"file": s.file} for s in shards]
     return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        _read_blocks, batch_size=1, batch_format="pyarrow", fn_kwargs={"cache": cache, "blocks": blocks_per_shard})
+        _read_blocks, batch_size=1, batch_format="pyarrow", fn_kwargs={"cache": cache, "blocks": blocks_per_shard}
+    )
 
 
 def _read_blocks(batch: pa.Table, cache: Cache, blocks: int):
@@ -202,8 +208,15 @@ def decode_batch(batch: dict, manifest: Manifest, dtype: torch.dtype = torch.flo
     return out
 
 
-def iter_local(cache: Cache, batch_size: int, seed: int = 0, epoch: int = 0, shards: list[ShardStats] | None = None,
-               dtype: torch.dtype = torch.float32, domains: tuple[str, ...] | None = None):
+def iter_local(
+    cache: Cache,
+    batch_size: int,
+    seed: int = 0,
+    epoch: int = 0,
+    shards: list[ShardStats] | None = None,
+    dtype: torch.dtype = torch.float32,
+    domains: tuple[str, ...] | None = None,
+):
     """Single-process streaming reader (tests, offline experiments): shards in a seeded order, rows
     shuffled within each shard, one shard in memory at a time; yields decoded batches (of the rows
     whose `domain` is in `domains`, when given)."""
@@ -218,5 +231,5 @@ def iter_local(cache: Cache, batch_size: int, seed: int = 0, epoch: int = 0, sha
         if domains is not None:
             order = [t for t in order if rows["domain"][t] in domains]
         for j in range(0, len(order), batch_size):
-            idx = order[j:j + batch_size]
+            idx = order[j : j + batch_size]
             yield decode_batch({k: [v[t] for t in idx] for k, v in rows.items()}, cache.manifest, dtype)

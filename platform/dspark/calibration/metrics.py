@@ -1,5 +1,6 @@
 """Confidence quality on the cumulative prefix survival a_k = prod_{i<=k} c_i: ECE (20 equal-width
 bins), AUROC, Brier, and the reliability diagram's points."""
+
 from __future__ import annotations
 
 import numpy as np

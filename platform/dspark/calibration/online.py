@@ -9,6 +9,7 @@
 - Live calibration error: over the last `window` rounds, the mean over positions of
   |mean predicted survival (with the calibration in force then) - observed survival|.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -21,6 +22,7 @@ from dspark.calibration import sts
 
 class Round(Protocol):
     """One decoding round as the engine records it (dspark.decoding.speculative.RoundRecord)."""
+
     verified: int  # l: drafts verified
     accepted: int  # n: drafts accepted
     conf_logit: list[float]  # the confidence head's raw logits per draft position
@@ -28,14 +30,29 @@ class Round(Protocol):
 
 
 class OnlineCalibrator:
-    def __init__(self, gamma: int, cal: sts.Calibration | None = None, half_life: float = 2000.0,
-                 min_rounds: int = 200, refit_every: int = 100, max_change: float = 2.0, max_bias_change: float = 0.5,
-                 bias: bool = True, max_rounds: int = 20000, window: int = 300):
+    def __init__(
+        self,
+        gamma: int,
+        cal: sts.Calibration | None = None,
+        half_life: float = 2000.0,
+        min_rounds: int = 200,
+        refit_every: int = 100,
+        max_change: float = 2.0,
+        max_bias_change: float = 0.5,
+        bias: bool = True,
+        max_rounds: int = 20000,
+        window: int = 300,
+    ):
         self.gamma = gamma
         start = (cal or sts.Calibration.identity(gamma)).check(gamma)
         self.cal = sts.Calibration(list(start.temps), list(start.biases))
         self.half_life, self.min_rounds, self.refit_every = half_life, min_rounds, refit_every
-        self.max_change, self.max_bias_change, self.bias, self.max_rounds = max_change, max_bias_change, bias, max_rounds
+        self.max_change, self.max_bias_change, self.bias, self.max_rounds = (
+            max_change,
+            max_bias_change,
+            bias,
+            max_rounds,
+        )
         self.logits = np.zeros((0, gamma))
         self.verified = np.zeros(0, dtype=np.int64)
         self.accepted = np.zeros(0, dtype=np.int64)
@@ -58,7 +75,11 @@ class OnlineCalibrator:
         keep = self.weights > 1e-3
         keep[: max(0, len(keep) - self.max_rounds)] = False
         self.logits, self.verified, self.accepted, self.weights = (
-            self.logits[keep], self.verified[keep], self.accepted[keep], self.weights[keep])
+            self.logits[keep],
+            self.verified[keep],
+            self.accepted[keep],
+            self.weights[keep],
+        )
         for r in rounds:
             self.recent.append((list(r.survival[: self.gamma]), r.verified, r.accepted))
         self.total += n
@@ -75,7 +96,11 @@ class OnlineCalibrator:
         fitted, old = sts.fit(self.observations(), bias=self.bias), self.cal
         self.cal = sts.Calibration(
             [float(np.clip(f, t / self.max_change, t * self.max_change)) for f, t in zip(fitted.temps, old.temps)],
-            [float(np.clip(f, b - self.max_bias_change, b + self.max_bias_change)) for f, b in zip(fitted.biases, old.biases)])
+            [
+                float(np.clip(f, b - self.max_bias_change, b + self.max_bias_change))
+                for f, b in zip(fitted.biases, old.biases)
+            ],
+        )
         self.since_refit = 0
         self.version += 1
         return self.cal
@@ -97,10 +122,17 @@ class OnlineCalibrator:
     def stats(self) -> dict:
         """JSON-safe summary (NaN, e.g. a position never verified, becomes None)."""
         rep = sts.report(self.observations(), self.cal) if len(self.weights) else []
-        return _finite({"rounds_total": self.total, "rounds_held": int(len(self.weights)),
-                "effective_rounds": float(self.weights.sum()), **self.cal.to_dict(), "version": self.version,
+        return _finite(
+            {
+                "rounds_total": self.total,
+                "rounds_held": int(len(self.weights)),
+                "effective_rounds": float(self.weights.sum()),
+                **self.cal.to_dict(),
+                "version": self.version,
                 "live_error": self.live_error(),
-                "positions": [{k: r[k] for k in ("k", "n", "ece", "predicted", "observed")} for r in rep]})
+                "positions": [{k: r[k] for k in ("k", "n", "ece", "predicted", "observed")} for r in rep],
+            }
+        )
 
 
 def _finite(x):

@@ -9,6 +9,7 @@ predicted a_k equal the observed survival rate: a temperature alone cannot move 
 on both sides of 1/2 in the same direction, so it cannot undo a level shift (a drafter whose
 acceptance drops on traffic it was not trained for). Both maps are monotone per position, so
 ranking quality (AUROC of c_k) is unchanged."""
+
 from __future__ import annotations
 
 import json
@@ -27,6 +28,7 @@ MAX_BIAS = 8.0  # |b_k| in logits; bisection range of the offset
 @dataclass
 class Calibration:
     """c_k = σ(logit_k / temps[k] + biases[k]) per draft position."""
+
     temps: list[float]
     biases: list[float]
 
@@ -38,8 +40,10 @@ class Calibration:
         """One map per draft position: a calibration of another length is refused when it is loaded or
         installed, never discovered mid-round."""
         if not len(self.temps) == len(self.biases) == gamma:
-            raise UserError(f"calibration has {len(self.temps)} positions but gamma={gamma} drafts are served; "
-                            f"refit it for this gamma (or serve the drafter's trained gamma)")
+            raise UserError(
+                f"calibration has {len(self.temps)} positions but gamma={gamma} drafts are served; "
+                f"refit it for this gamma (or serve the drafter's trained gamma)"
+            )
         return self
 
     def conditional(self, logits: np.ndarray) -> np.ndarray:
@@ -66,17 +70,27 @@ class Observations:
     @classmethod
     def from_rounds(cls, rounds) -> "Observations":
         rounds = [r for r in rounds if r.conf_logit is not None]
-        return cls(np.array([r.conf_logit for r in rounds], float).reshape(len(rounds), -1),
-                   np.array([r.verified for r in rounds]), np.array([r.accepted for r in rounds]))
+        return cls(
+            np.array([r.conf_logit for r in rounds], float).reshape(len(rounds), -1),
+            np.array([r.verified for r in rounds]),
+            np.array([r.accepted for r in rounds]),
+        )
 
     @classmethod
     def concat(cls, parts: list["Observations"]) -> "Observations":
-        return cls(np.concatenate([p.logits for p in parts]), np.concatenate([p.verified for p in parts]),
-                   np.concatenate([p.accepted for p in parts]))
+        return cls(
+            np.concatenate([p.logits for p in parts]),
+            np.concatenate([p.verified for p in parts]),
+            np.concatenate([p.accepted for p in parts]),
+        )
 
     def subset(self, rows: np.ndarray) -> "Observations":
-        return Observations(self.logits[rows], self.verified[rows], self.accepted[rows],
-                            None if self.weights is None else self.weights[rows])
+        return Observations(
+            self.logits[rows],
+            self.verified[rows],
+            self.accepted[rows],
+            None if self.weights is None else self.weights[rows],
+        )
 
     def at(self, k: int):
         """Rounds that verified position k (1-based) and whether positions 1..k were all accepted."""
@@ -109,8 +123,9 @@ def _matching_biases(prev: np.ndarray, logit: np.ndarray, y: np.ndarray, w, temp
     return 0.5 * (lo + hi)
 
 
-def fit(obs: Observations, grid: np.ndarray = GRID, bins: int = 20, bias: bool = True,
-        min_events: float = 10.0) -> Calibration:
+def fit(
+    obs: Observations, grid: np.ndarray = GRID, bins: int = 20, bias: bool = True, min_events: float = 10.0
+) -> Calibration:
     """Left to right, one (T_k, b_k) per position with the earlier positions' calibration fixed.
     A position with fewer than `min_events` survivals or failures keeps the identity map: there is
     not enough evidence to move it (an offset fitted to zero survivals would run to -MAX_BIAS)."""
@@ -142,11 +157,18 @@ def report_survival(obs: Observations, a: np.ndarray, bins: int = 20, floor: boo
     out = []
     for k in range(1, obs.logits.shape[1] + 1):
         sel, y, w = obs.at(k)
-        out.append({"k": k, "n": int(sel.sum()), "ece": ece(a[sel, k - 1], y, bins, w),
-                    "ece_floor": ece_floor(a[sel, k - 1], bins) if floor else None,
-                    "auroc": auroc(a[sel, k - 1], y), "brier": brier(a[sel, k - 1], y),
-                    "predicted": float(a[sel, k - 1].mean()) if sel.any() else float("nan"),
-                    "observed": float(y.mean()) if sel.any() else float("nan")})
+        out.append(
+            {
+                "k": k,
+                "n": int(sel.sum()),
+                "ece": ece(a[sel, k - 1], y, bins, w),
+                "ece_floor": ece_floor(a[sel, k - 1], bins) if floor else None,
+                "auroc": auroc(a[sel, k - 1], y),
+                "brier": brier(a[sel, k - 1], y),
+                "predicted": float(a[sel, k - 1].mean()) if sel.any() else float("nan"),
+                "observed": float(y.mean()) if sel.any() else float("nan"),
+            }
+        )
     return out
 
 

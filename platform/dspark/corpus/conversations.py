@@ -9,6 +9,7 @@ target regenerates every assistant turn, see dspark.cache.build.regenerate):
 Consecutive user messages form one turn. A bad record is a UserError naming the file and line, or,
 with `skip_bad`, a counted skip.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,8 +22,17 @@ from dspark.corpus.examples import iter_examples, split_examples
 from dspark.corpus.sources import DOMAINS, Corpus
 from dspark.errors import UserError
 
-ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
-         "chatgpt": "assistant", "model": "assistant", "bard": "assistant", "bing": "assistant"}
+ROLES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+}
 
 
 @dataclass(frozen=True)
@@ -40,7 +50,9 @@ class Conversation:
         return msgs + [{"role": "user", "content": self.turns[len(answers)]}]
 
     def to_json(self) -> str:
-        return json.dumps({"conv_id": self.conv_id, "source": self.source, "turns": list(self.turns), "system": self.system})
+        return json.dumps(
+            {"conv_id": self.conv_id, "source": self.source, "turns": list(self.turns), "system": self.system}
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "Conversation":
@@ -116,7 +128,9 @@ def parse_jsonl(text: str, name: str, source: str, skip_bad: bool = False) -> tu
             system, turns = parse_record(json.loads(line))
         except ValueError as e:  # JSONDecodeError is a ValueError
             if not skip_bad:
-                raise UserError(f"{name}:{n}: bad record: {e} (set cache.skip_bad_records=true to skip such lines)") from None
+                raise UserError(
+                    f"{name}:{n}: bad record: {e} (set cache.skip_bad_records=true to skip such lines)"
+                ) from None
             skipped.append(f"line {n}: {e}")
             continue
         convs.append(Conversation(f"{source}:{n}", source, tuple(turns), system))

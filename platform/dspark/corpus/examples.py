@@ -4,6 +4,7 @@ the way a chat model's data does.
 - code:  one example per function: prompt = decorators + signature + docstring, response = body.
 - prose: prompt = one paragraph, response = the next paragraphs.
 """
+
 from __future__ import annotations
 
 import ast
@@ -50,14 +51,17 @@ def code_examples(doc: Document, max_response_lines: int = 40) -> Iterator[Examp
     for i, fn in enumerate(funcs):
         start = min([fn.lineno] + [d.lineno for d in fn.decorator_list]) - 1
         first = fn.body[0]
-        has_doc = isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) \
+        has_doc = (
+            isinstance(first, ast.Expr)
+            and isinstance(getattr(first, "value", None), ast.Constant)
             and isinstance(first.value.value, str)
+        )
         head_end = first.end_lineno if has_doc else first.lineno - 1  # 1-based, inclusive
         if len(fn.body) == (1 if has_doc else 0) or head_end <= start:
             continue
-        block = textwrap.dedent("\n".join(lines[start:fn.end_lineno])).splitlines()
+        block = textwrap.dedent("\n".join(lines[start : fn.end_lineno])).splitlines()
         split = head_end - start
-        prompt, body = block[:split], block[split:split + max_response_lines]
+        prompt, body = block[:split], block[split : split + max_response_lines]
         if len(body) >= 2:
             yield Example(doc.doc_id, "code", i, "\n".join(prompt) + "\n", "\n".join(body) + "\n")
 
@@ -69,7 +73,7 @@ def prose_examples(doc: Document, max_response_chars: int = 1500) -> Iterator[Ex
     paras = [p.strip("\n") for p in _PARA.split(doc.text) if p.strip()]
     for i in range(0, len(paras) - 1, 3):
         prompt = paras[i]
-        response = "\n\n".join(paras[i + 1:i + 3])[:max_response_chars]
+        response = "\n\n".join(paras[i + 1 : i + 3])[:max_response_chars]
         if len(prompt) >= 20 and len(response) >= 40:
             yield Example(doc.doc_id, "prose", i, prompt + "\n\n", response + "\n")
 

@@ -7,6 +7,7 @@
 Splits are by whole document (a source file, or an info node) and depend only on the document's
 id, so they are deterministic across machines and stable when documents are added.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -160,4 +161,3 @@ class Corpus:
                 overall.update(h.hexdigest().encode())
         out["sha256"] = overall.hexdigest()
         return out
-

@@ -5,14 +5,16 @@ A conversation is  <|bos|><|user|>{prompt}<|assistant|>{response}<|eos|> ; the l
 response and its EOS only. `chat_text` / `chat_ids` render prompts and conversations with ANY target
 tokenizer's own chat template (this format is the built-in target's template).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Iterable
 
-from dspark.errors import UserError
 from jinja2 import TemplateError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from dspark.errors import UserError
 
 BOS, EOS, PAD, MASK = "<|bos|>", "<|eos|>", "<|pad|>", "<|mask|>"
 USER, ASSISTANT, SYSTEM = "<|user|>", "<|assistant|>", "<|system|>"
@@ -47,7 +49,11 @@ def to_hf(tok: Tokenizer):
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, mask_token=MASK,
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        mask_token=MASK,
         additional_special_tokens=[USER, ASSISTANT, SYSTEM],
     )
     hf.chat_template = CHAT_TEMPLATE
@@ -67,22 +73,31 @@ def load_tokenizer(path: str | Path):
         raise UserError(f"tokenizer {path / 'tokenizer.json'} could not be read: {str(e).splitlines()[0]}") from None
 
 
-def chat_text(tokenizer, conversation: str | list[dict], add_generation_prompt: bool = True,
-              chat_template_kwargs: dict | None = None) -> str:
+def chat_text(
+    tokenizer,
+    conversation: str | list[dict],
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict | None = None,
+) -> str:
     """A prompt (one user turn) or a conversation ([{"role": ..., "content": ...}, ...]) rendered with
     the tokenizer's own chat template; `chat_template_kwargs` reach the template (e.g. enable_thinking)."""
     if not tokenizer.chat_template:
         raise UserError("the target's tokenizer has no chat template")
     messages = [{"role": "user", "content": conversation}] if isinstance(conversation, str) else list(conversation)
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **(chat_template_kwargs or {}))
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+        )
     except (TemplateError, ValueError) as e:  # the template's raise_exception, or no messages
         raise UserError(f"the target's chat template refused the conversation: {e}") from None
 
 
-def chat_ids(tokenizer, conversation: str | list[dict], add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[int]:
+def chat_ids(
+    tokenizer,
+    conversation: str | list[dict],
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict | None = None,
+) -> list[int]:
     """Token ids of `chat_text`: the template writes any BOS itself, so none is added here."""
     text = chat_text(tokenizer, conversation, add_generation_prompt, chat_template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)

@@ -10,6 +10,7 @@ Every stream ends with exactly one Done(info) or Error(message, http_status) eve
 it is cancelled while queued; `Stream.notify` (optional) is called after each event, so an asyncio
 consumer needs no thread blocked on the queue. A request's failure never takes a slot with it.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -31,7 +32,7 @@ from dspark.errors import UserError
 from dspark.scheduling.policies import POLICIES, make_policy
 from dspark.scheduling.sps import SPSTable
 
-MAX_SEED = 2 ** 63  # seeds are 0 .. 2^63 - 1
+MAX_SEED = 2**63  # seeds are 0 .. 2^63 - 1
 
 
 class Overloaded(Exception):
@@ -66,17 +67,36 @@ class Stream:
         gamma = max((r.verified for r in self.req.rounds), default=0)
         verified = [sum(r.verified >= k for r in self.req.rounds) for k in range(1, gamma + 1)]
         accepted = [sum(r.accepted >= k for r in self.req.rounds) for k in range(1, gamma + 1)]
-        return {"rounds": len(self.req.rounds), "mean_tau": self.req.tau, "verified_per_position": verified,
-                "accepted_per_position": accepted,
-                "mean_verify_len": float(np.mean([r.verified for r in self.req.rounds])) if self.req.rounds else 0.0}
+        return {
+            "rounds": len(self.req.rounds),
+            "mean_tau": self.req.tau,
+            "verified_per_position": verified,
+            "accepted_per_position": accepted,
+            "mean_verify_len": float(np.mean([r.verified for r in self.req.rounds])) if self.req.rounds else 0.0,
+        }
 
 
 class Engine:
-    def __init__(self, target_model, tokenizer, drafter=None, *, gamma: int = 7, policy: str = "greedy",
-                 sps: Optional[SPSTable] = None, max_batch: int = 8, max_queue: int = 32, static_len: int = 4,
-                 threshold: float = 0.5, calibration: Optional[Calibration] = None,
-                 observer: Optional[Callable[[list], None]] = None, metrics=None, idle_probe: int = 0,
-                 max_len: int = 0, stop_ids: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        target_model,
+        tokenizer,
+        drafter=None,
+        *,
+        gamma: int = 7,
+        policy: str = "greedy",
+        sps: Optional[SPSTable] = None,
+        max_batch: int = 8,
+        max_queue: int = 32,
+        static_len: int = 4,
+        threshold: float = 0.5,
+        calibration: Optional[Calibration] = None,
+        observer: Optional[Callable[[list], None]] = None,
+        metrics=None,
+        idle_probe: int = 0,
+        max_len: int = 0,
+        stop_ids: tuple[int, ...] = (),
+    ):
         if policy not in POLICIES:
             raise ValueError(f"policy: {policy!r} not in {POLICIES}")
         drafting = drafter is not None and policy != "none"
@@ -87,9 +107,16 @@ class Engine:
         self.sps = sps or SPSTable.synthetic("smooth")
         self.policy_name = policy
         self.max_batch = max_batch
-        self.decoder = SpeculativeDecoder(target_model, drafter if drafting else None, gamma,
-                                          make_policy(policy, self.sps, static_len, threshold), max_slots=max_batch,
-                                          calibration=calibration, idle_probe=idle_probe, max_len=max_len)
+        self.decoder = SpeculativeDecoder(
+            target_model,
+            drafter if drafting else None,
+            gamma,
+            make_policy(policy, self.sps, static_len, threshold),
+            max_slots=max_batch,
+            calibration=calibration,
+            idle_probe=idle_probe,
+            max_len=max_len,
+        )
         self.max_queue = max_queue
         self.observer, self.metrics = observer, metrics
         self.waiting: deque[Stream] = deque()
@@ -102,8 +129,14 @@ class Engine:
         self.thread.start()
 
     # -- API (any thread)
-    def submit(self, prompt_ids: list[int], sp: SamplingParams, max_tokens: int, seed: Optional[int] = None,
-               stop: list[str] | None = None) -> Stream:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        sp: SamplingParams,
+        max_tokens: int,
+        seed: Optional[int] = None,
+        stop: list[str] | None = None,
+    ) -> Stream:
         """seed given: the output is a function of (prompt, seed) alone, whatever else the engine runs
         (Gumbel-max sampling keyed by position). seed None: a fresh random seed and standard rejection
         sampling, which accepts the most drafts. Raises ValueError (a bad request) or Overloaded."""
@@ -112,17 +145,26 @@ class Engine:
         if max_tokens < 1:
             raise ValueError(f"max_tokens: must be >= 1 (got {max_tokens})")
         if len(prompt_ids) + max_tokens > self.decoder.max_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceeds the context "
-                             f"limit of {self.decoder.max_len} tokens")
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceeds the context "
+                f"limit of {self.decoder.max_len} tokens"
+            )
         if seed is not None and not 0 <= seed < MAX_SEED:
             raise ValueError(f"seed: must be in [0, 2^63) (got {seed})")
         with self.lock:
             if len(self.waiting) >= self.max_queue:
                 raise Overloaded(f"{len(self.waiting)} requests already waiting (max_queue={self.max_queue})")
-            req = Request(list(prompt_ids), sp, max_tokens, secrets.randbelow(MAX_SEED) if seed is None else seed,
-                          self.stop_ids, reproducible=seed is not None)
-            s = Stream(req, stop or [], lambda ids: self.tok.decode(ids, skip_special_tokens=True),
-                       id=f"cmpl-{next(self.ids)}")
+            req = Request(
+                list(prompt_ids),
+                sp,
+                max_tokens,
+                secrets.randbelow(MAX_SEED) if seed is None else seed,
+                self.stop_ids,
+                reproducible=seed is not None,
+            )
+            s = Stream(
+                req, stop or [], lambda ids: self.tok.decode(ids, skip_special_tokens=True), id=f"cmpl-{next(self.ids)}"
+            )
             self.waiting.append(s)
         self.wake.set()
         return s
@@ -145,11 +187,18 @@ class Engine:
 
     def state(self) -> dict:
         runner = self.decoder.runner
-        return {"active": len(self.decoder.active), "waiting": len(self.waiting), "policy": self.policy_name,
-                "max_batch": self.max_batch, "free_slots": len(runner.free_slots), "max_len": self.decoder.max_len,
-                "kv_capacity": runner.k[0].shape[2] if runner.k else 0,
-                "drafter": self.decoder.drafter is not None, "drafter_error": self.decoder.drafter_error,
-                "calibration": self.decoder.calibration.to_dict() if self.decoder.calibration else None}
+        return {
+            "active": len(self.decoder.active),
+            "waiting": len(self.waiting),
+            "policy": self.policy_name,
+            "max_batch": self.max_batch,
+            "free_slots": len(runner.free_slots),
+            "max_len": self.decoder.max_len,
+            "kv_capacity": runner.k[0].shape[2] if runner.k else 0,
+            "drafter": self.decoder.drafter is not None,
+            "drafter_error": self.decoder.drafter_error,
+            "calibration": self.decoder.calibration.to_dict() if self.decoder.calibration else None,
+        }
 
     def close(self) -> None:
         self.running = False
@@ -207,7 +256,7 @@ class Engine:
             text = text[:stopped]
             s.finish_reason = "stop"
         if len(text) > len(s.sent_text) and text.startswith(s.sent_text) and not text.endswith("\ufffd"):
-            s.put(Text(text[len(s.sent_text):]))
+            s.put(Text(text[len(s.sent_text) :]))
             s.sent_text = text
         s.sent_tokens = len(out)
         if s.req.done or s.finish_reason == "stop":
@@ -216,14 +265,22 @@ class Engine:
             if s.finish_reason == "stop" and not s.req.done:
                 self.decoder.cancel(s.req)
             if len(text) > len(s.sent_text):
-                s.put(Text(text[len(s.sent_text):]))
+                s.put(Text(text[len(s.sent_text) :]))
                 s.sent_text = text
             self._finish(s)
 
     def _finish(self, s: Stream) -> None:
         self.streams.pop(id(s.req), None)
-        s.put(Done({"finish_reason": s.finish_reason, "completion_tokens": len(s.req.out),
-                    "prompt_tokens": len(s.req.prompt), "speculative": s.stats()}))
+        s.put(
+            Done(
+                {
+                    "finish_reason": s.finish_reason,
+                    "completion_tokens": len(s.req.out),
+                    "prompt_tokens": len(s.req.prompt),
+                    "speculative": s.stats(),
+                }
+            )
+        )
 
     def _observe(self, batch: list[Request], seconds: float) -> None:
         rounds = [r.rounds[-1] for r in batch if r.rounds]

@@ -1,6 +1,7 @@
 """What a request's stream carries from the engine to the HTTP layer: text deltas, then exactly one
 Done or Error. Plain dataclasses without heavy imports, so the ingress can receive them over Ray
 without loading torch."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,6 +1,7 @@
 """Profiling the target on its device: SPS(B), the verification steps per second at a total batch of B
 new tokens (the scheduler's cost curve, saved as a scheduling.sps.SPSTable). It lives next to the runner
 it times, so that scheduling stays a pure leaf."""
+
 from __future__ import annotations
 
 import platform
@@ -14,15 +15,20 @@ from dspark.scheduling.sps import SPSTable
 
 
 def hardware_info(device) -> dict:
-    info = {"device": str(device), "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
+    info = {
+        "device": str(device),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
     if str(device).startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
 
 
-def profile(target_model, batches: list[int], context: int = 256, repeats: int = 5, warmup: int = 2,
-            max_requests: int = 64) -> SPSTable:
+def profile(
+    target_model, batches: list[int], context: int = 256, repeats: int = 5, warmup: int = 2, max_requests: int = 64
+) -> SPSTable:
     """Measure verification steps/s for total batch B tokens, spread over min(B, max_requests) requests
     that each already hold `context` tokens of KV cache (the median of `repeats` timed steps)."""
     vocab = target_model.config.vocab_size

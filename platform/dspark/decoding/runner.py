@@ -8,6 +8,7 @@ rejected drafts is setting the length back. Attention is SDPA over the active sl
 longest, with each layer's sliding window in the mask; device and dtype are the model's own (CPU
 float32 here, CUDA bf16 in production).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ class StepOutput:
 class Family:
     """How a family's decoder layer differs from Llama's (projection biases, embedding scale, attention
     scale and RMSNorm variants live in the HF modules the runner calls, so they need no flag)."""
+
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma3)
     sandwich_norm: bool = False  # attention and MLP outputs normed before the residual add (Gemma3)
     rope_per_layer_type: bool = False  # sliding and full layers use different rotary tables (Gemma3)
@@ -46,8 +48,10 @@ def family(cfg) -> Family:
     """The runner's description of a target's family; unsupported features are refused by name."""
     fam = FAMILIES.get(cfg.model_type)
     if fam is None:
-        raise UserError(f"target: model type {cfg.model_type!r} is not supported by the decoding runner "
-                        f"(supported: {', '.join(sorted(FAMILIES))})")
+        raise UserError(
+            f"target: model type {cfg.model_type!r} is not supported by the decoding runner "
+            f"(supported: {', '.join(sorted(FAMILIES))})"
+        )
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
         raise UserError("target: attention logit soft-capping is not supported by the decoding runner")
     if getattr(cfg, "use_bidirectional_attention", False):
@@ -68,6 +72,7 @@ def layer_types(cfg) -> list[str]:
 @dataclass
 class _Ragged:
     """Where each of the Ttot flattened new tokens of one forward belongs."""
+
     slots: torch.Tensor  # (R,) the slot of each request
     row: torch.Tensor  # (Ttot,) the request of each token
     col: torch.Tensor  # (Ttot,) its index among its request's new tokens
@@ -108,8 +113,10 @@ class TargetRunner:
         self.max_positions = cfg.max_position_embeddings
         self.max_len = min(max_len or self.max_positions, self.max_positions)
         capacity = min(capacity, self.max_len)
-        self.k = [torch.zeros(max_slots, self.kvh, capacity, self.hd, device=self.device, dtype=self.dtype)
-                  for _ in self.layers]
+        self.k = [
+            torch.zeros(max_slots, self.kvh, capacity, self.hd, device=self.device, dtype=self.dtype)
+            for _ in self.layers
+        ]
         self.v = [torch.zeros_like(t) for t in self.k]
         self.lengths = [0] * max_slots
         self.free_slots = list(range(max_slots - 1, -1, -1))
@@ -175,7 +182,9 @@ class TargetRunner:
         taps = []
         for i, layer in enumerate(self.layers):
             cos, sin = rope[self.types[i]]
-            o = self._attention(i, layer.self_attn, layer.input_layernorm(x)[0], cos, sin, where, masks[self.windows[i]])
+            o = self._attention(
+                i, layer.self_attn, layer.input_layernorm(x)[0], cos, sin, where, masks[self.windows[i]]
+            )
             if self.family.sandwich_norm:
                 x = x + layer.post_attention_layernorm(o)
                 x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
@@ -214,8 +223,9 @@ class TargetRunner:
         self.v[i][where.slots[row], :, where.pos] = v
         qp = q.new_zeros(len(where.slots), where.nmax, H, self.hd)
         qp[row, col] = q
-        keys = self.k[i][where.slots, :, :where.L]  # (R, KVH, L, hd)
-        vals = self.v[i][where.slots, :, :where.L]
-        o = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, vals, attn_mask=mask, enable_gqa=True,
-                                           scale=attn.scaling)  # (R, H, nmax, hd)
+        keys = self.k[i][where.slots, :, : where.L]  # (R, KVH, L, hd)
+        vals = self.v[i][where.slots, :, : where.L]
+        o = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), keys, vals, attn_mask=mask, enable_gqa=True, scale=attn.scaling
+        )  # (R, H, nmax, hd)
         return attn.o_proj(o.transpose(1, 2)[row, col].reshape(1, -1, H * self.hd))  # (1, Ttot, d)

@@ -10,6 +10,7 @@ x_t is an exact sample of p_t, and it is a deterministic function of the seed an
 seeded request's output never depends on the drafter, the verification lengths or the batch. The
 drafter proposes with the same noise (argmax of log q_t + g_t), so verification is "accept iff the
 draft equals the target's perturbed argmax" (the greedy rule on perturbed scores)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -88,8 +89,12 @@ def _mix(seed: int, position: int) -> int:
 
 def gumbel(seed: int, first: int, n: int, vocab: int) -> torch.Tensor:
     """(n, V) float64 Gumbel(0, 1) noise for output positions first .. first+n-1 of a seeded request."""
-    u = torch.stack([torch.rand(vocab, generator=torch.Generator().manual_seed(_mix(seed, first + i)),
-                                dtype=torch.float64) for i in range(n)])
+    u = torch.stack(
+        [
+            torch.rand(vocab, generator=torch.Generator().manual_seed(_mix(seed, first + i)), dtype=torch.float64)
+            for i in range(n)
+        ]
+    )
     return -torch.log(-torch.log(u))  # u = 0 gives -inf: that token is never chosen (probability 2^-53)
 
 
@@ -113,8 +118,12 @@ class BatchSampler:
     key (seed, first output position) is sampled by Gumbel-max with its position's noise instead;
     the k-th call of a round draws output position first + k."""
 
-    def __init__(self, params: list[SamplingParams], generators: list[torch.Generator],
-                 keys: list[tuple[int, int] | None] | None = None):
+    def __init__(
+        self,
+        params: list[SamplingParams],
+        generators: list[torch.Generator],
+        keys: list[tuple[int, int] | None] | None = None,
+    ):
         self.params, self.generators = params, generators
         self.keys = keys or [None] * len(params)
         self.calls = 0

@@ -15,6 +15,7 @@ finite distribution (a drafter that produced NaN: the drafts before it are still
 and admitting x_k never looks past q_k). A drafter that raises is skipped for a growing number of
 rounds (1, 2, 4, .. 64), then tried again; the round itself is plain target sampling.
 """
+
 from __future__ import annotations
 
 import time
@@ -77,9 +78,18 @@ class Request:
 
 
 class SpeculativeDecoder:
-    def __init__(self, target_model, drafter: Drafter | None = None, gamma: int = 7, policy: Policy = full_length,
-                 max_slots: int = 16, calibration: Optional[Calibration] = None, capacity: int = 512,
-                 idle_probe: int = 0, max_len: int = 0):
+    def __init__(
+        self,
+        target_model,
+        drafter: Drafter | None = None,
+        gamma: int = 7,
+        policy: Policy = full_length,
+        max_slots: int = 16,
+        calibration: Optional[Calibration] = None,
+        capacity: int = 512,
+        idle_probe: int = 0,
+        max_len: int = 0,
+    ):
         self.drafter, self.gamma, self.policy = drafter, gamma if drafter is not None else 0, policy
         taps = drafter.c.tap_layers if drafter is not None else []
         # max_len: tokens (prompt + output) per request; bounds every KV slot (0 = the target's limit)
@@ -107,8 +117,10 @@ class SpeculativeDecoder:
             if not req.prompt:
                 raise UserError("prompt: at least one token is needed")
             if len(req.prompt) + req.max_new_tokens > self.max_len:
-                raise UserError(f"prompt of {len(req.prompt)} tokens + max_tokens {req.max_new_tokens} exceeds the "
-                                f"context limit of {self.max_len} tokens")
+                raise UserError(
+                    f"prompt of {len(req.prompt)} tokens + max_tokens {req.max_new_tokens} exceeds the "
+                    f"context limit of {self.max_len} tokens"
+                )
         t0 = time.perf_counter()
         try:  # whatever fails (a full cache, NaN logits, the drafter), no slot or drafter state leaks
             for req in reqs:
@@ -120,9 +132,11 @@ class SpeculativeDecoder:
             if self.drafter is not None:
                 for req in reqs:
                     req.state = DraftState()
-                self.drafter.extend([r.state for r in reqs], out.taps,
-                                    [torch.tensor(r.prompt[1:] + [f], device=t.device)
-                                     for r, f, t in zip(reqs, firsts, out.taps)])
+                self.drafter.extend(
+                    [r.state for r in reqs],
+                    out.taps,
+                    [torch.tensor(r.prompt[1:] + [f], device=t.device) for r, f, t in zip(reqs, firsts, out.taps)],
+                )
         except BaseException:
             for req in reqs:
                 self._release(req)
@@ -202,8 +216,11 @@ class SpeculativeDecoder:
                 a = sts.survival(conf_logits.numpy(), cal)  # a_{r,k} = prod_{i<=k} σ(logit_{r,i} / T_i + b_i)
                 survival = torch.from_numpy(a).nan_to_num_(0.0)  # a NaN confidence admits nothing
             # the first position whose q is not a finite distribution bounds l (0 when q_1 already is)
-            finite = (torch.isfinite(probs_q).all(-1).cpu() if probs_q is not None
-                      else torch.ones(drafts.shape, dtype=torch.bool))
+            finite = (
+                torch.isfinite(probs_q).all(-1).cpu()
+                if probs_q is not None
+                else torch.ones(drafts.shape, dtype=torch.bool)
+            )
             valid = finite.int().cumprod(-1).sum(-1).tolist()
             chosen = self.policy(None if survival is None else survival.numpy(), len(reqs), self.gamma)
             lengths = [max(0, min(int(x), v, c)) for x, v, c in zip(chosen, valid, self._caps(reqs))]
@@ -216,7 +233,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         tokens = anchors[:, None] if drafts is None else torch.cat([anchors[:, None], drafts], 1)  # (R, 1 + gamma)
         starts = [self.runner.lengths[r.slot] for r in reqs]
-        out = self.runner.forward([r.slot for r in reqs], [tokens[i, :1 + l] for i, l in enumerate(lengths)])
+        out = self.runner.forward([r.slot for r in reqs], [tokens[i, : 1 + l] for i, l in enumerate(lengths)])
         n_acc, emitted = self._verify(reqs, tokens[:, 1:], lengths, probs_q, out.logits)
         dt = (time.perf_counter() - t0) / len(reqs)
         # per-request Python lists, converted once for the batch
@@ -231,8 +248,11 @@ class SpeculativeDecoder:
             committed.append((r, out.taps[i][: 1 + n], draft_ids[i][:n] + [emitted[i]]))
         if self.drafter is not None:  # the drafter's context grows by x_0 and the accepted drafts
             try:
-                self.drafter.extend([r.state for r, _, _ in committed], [t for _, t, _ in committed],
-                                    [torch.tensor(new, device=t.device) for _, t, new in committed])
+                self.drafter.extend(
+                    [r.state for r, _, _ in committed],
+                    [t for _, t, _ in committed],
+                    [torch.tensor(new, device=t.device) for _, t, new in committed],
+                )
             except Exception as e:  # its caches are now inconsistent: plain target decoding from here on
                 self.drafter_error = f"{type(e).__name__}: {e}"
                 self.drafter, self.gamma = None, 0
@@ -240,8 +260,14 @@ class SpeculativeDecoder:
             self._commit(r, new)
         self.active = [r for r in reqs if not r.done]
 
-    def _verify(self, reqs: list[Request], drafts: torch.Tensor, lengths: list[int], q: Optional[torch.Tensor],
-                logits: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    def _verify(
+        self,
+        reqs: list[Request],
+        drafts: torch.Tensor,
+        lengths: list[int],
+        q: Optional[torch.Tensor],
+        logits: list[torch.Tensor],
+    ) -> tuple[list[int], list[int]]:
         """Request r verifies drafts[r, :lengths[r]] of drafts (R, G) (G = 0: plain target sampling), drawn
         from q (R, G, V), against the target's logits (l_r + 1, V) of one forward; all requests at once.
         Returns each request's accepted drafts n and emitted token."""

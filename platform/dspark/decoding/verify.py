@@ -18,6 +18,7 @@ the one-hot of x_k.
 Layout: request r's drafts are drafts[r, :l_r] of a (R, G) batch; the target's distributions of all
 requests are the rows of one (T, V) tensor p, request r's l_r + 1 rows from first[r] on.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -33,8 +34,15 @@ def _rows(first: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tenso
     return first[:, None] + torch.arange(width).minimum(lengths[:, None])
 
 
-def verify_sampled(drafts: torch.Tensor, lengths: torch.Tensor, q: Optional[torch.Tensor], p: torch.Tensor,
-                   first: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_sampled(
+    drafts: torch.Tensor,
+    lengths: torch.Tensor,
+    q: Optional[torch.Tensor],
+    p: torch.Tensor,
+    first: torch.Tensor,
+    u: torch.Tensor,
+    v: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling. drafts (R, G) long, lengths (R,) l_r <= G, q (R, G, V) or None, p (T, V),
     first (R,); u (R, G) and v (R,): uniforms in [0, 1) (request r's from its own generator).
     Returns n accepted (R,) and the emitted tokens (R,)."""
@@ -53,8 +61,9 @@ def verify_sampled(drafts: torch.Tensor, lengths: torch.Tensor, q: Optional[torc
     return n, inverse_cdf(emit, v)
 
 
-def verify_choices(drafts: torch.Tensor, lengths: torch.Tensor, choice: torch.Tensor,
-                   first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_choices(
+    drafts: torch.Tensor, lengths: torch.Tensor, choice: torch.Tensor, first: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The greedy rule against the target's own choice per row of p, choice (T,) (seeded requests: its
     Gumbel-max sample, see sampling.py): n = the drafts that match it, then its choice after them."""
     R, G = drafts.shape

@@ -3,6 +3,7 @@ draft / verify latency and wall-clock speedup over plain target decoding with th
 (`measure`); confidence calibration (ECE/AUROC/Brier, STS) for drafters with a confidence head
 (`calibration_study`); JSON + markdown + PNG + MLflow (`report`). `evaluate` runs them all.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,21 @@ from dspark.evaluation.report import (
     plot_sweep,
 )
 
-__all__ = ["RunResult", "acceptance", "calibration_rounds", "calibration_study", "decode", "eval_prompts", "evaluate",
-           "log_results", "prompts_for", "save_calibrations", "set_prompts", "summarize", "threshold_sweep"]
+__all__ = [
+    "RunResult",
+    "acceptance",
+    "calibration_rounds",
+    "calibration_study",
+    "decode",
+    "eval_prompts",
+    "evaluate",
+    "log_results",
+    "prompts_for",
+    "save_calibrations",
+    "set_prompts",
+    "summarize",
+    "threshold_sweep",
+]
 
 
 def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool = True, log=print) -> dict:
@@ -52,15 +66,22 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
         if calibrate and drafter.has_confidence:
             cal = cal_by[name] = calibration_study(cfg, target, drafter, corpus, log)
             shipped[name] = sts.Calibration.from_dict(cal["calibration"])
-            plot_reliability({f"{name} ({d})": o for d, o in cal.pop("obs").items()}, shipped[name],
-                             out_dir / f"reliability_{name}.png")
-            plot_sweep({f"{name} ({d})": v["threshold_sweep"] for d, v in cal["domains"].items()},
-                       out_dir / f"threshold_sweep_{name}.png")
+            plot_reliability(
+                {f"{name} ({d})": o for d, o in cal.pop("obs").items()},
+                shipped[name],
+                out_dir / f"reliability_{name}.png",
+            )
+            plot_sweep(
+                {f"{name} ({d})": v["threshold_sweep"] for d, v in cal["domains"].items()},
+                out_dir / f"threshold_sweep_{name}.png",
+            )
     for domain, prompts in eval_prompts(cfg, target, corpus).items():
         for t in ec.temperatures:
             sp = SamplingParams(t)
             t0 = time.perf_counter()
-            plain = summarize("target", domain, sp, 0, decode(target.model, None, prompts, sp, 0, ec.max_new_tokens, eos, ec.seed))
+            plain = summarize(
+                "target", domain, sp, 0, decode(target.model, None, prompts, sp, 0, ec.max_new_tokens, eos, ec.seed)
+            )
             plain.speedup = 1.0
             results.append(plain)
             for name, drafter in drafters.items():
@@ -69,10 +90,14 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
                 r = summarize(name, domain, sp, gamma, reqs)
                 r.speedup = r.tokens_per_s / plain.tokens_per_s
                 results.append(r)
-            log(f"[eval] {domain} T={t:g}: " + ", ".join(f"{r.drafter} tau {r.tau:.2f}" for r in results[-len(drafters) - 1:])
-                + f" ({time.perf_counter() - t0:.0f}s)")
-    (out_dir / "results.json").write_text(json.dumps({"results": [asdict(r) for r in results], "calibration": cal_by},
-                                                     indent=2) + "\n")
+            log(
+                f"[eval] {domain} T={t:g}: "
+                + ", ".join(f"{r.drafter} tau {r.tau:.2f}" for r in results[-len(drafters) - 1 :])
+                + f" ({time.perf_counter() - t0:.0f}s)"
+            )
+    (out_dir / "results.json").write_text(
+        json.dumps({"results": [asdict(r) for r in results], "calibration": cal_by}, indent=2) + "\n"
+    )
     (out_dir / "results.md").write_text(markdown(results) + ("\n" + calibration_markdown(cal_by) if cal_by else ""))
     plot_acceptance(results, out_dir / "conditional_acceptance.png")
     return {"results": results, "calibrations": shipped, "calibration": cal_by}

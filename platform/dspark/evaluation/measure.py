@@ -1,6 +1,7 @@
 """What one evaluation run measures (paper protocol: batch 1, fixed gamma, every draft verified): the
 prompts, the decoding, accepted length tau (bonus token included), position-wise CONDITIONAL acceptance
 and prefix survival, draft / verify latency per round and tokens/s."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,8 +49,16 @@ def set_prompts(cfg, target, uri: str) -> list[list[int]]:
     ec = cfg.eval
     convs = spread(load_jsonl(uri, Storage.from_config(cfg.storage)).conversations, ec.prompts_per_domain)
     cc = cfg.cache.model_copy(update={"temperature": 0.0, "max_new_tokens": ec.max_new_tokens})
-    turns = regenerate(target.model, target.tokenizer, convs, cc, ec.seed, target.eos_token_ids,
-                       cfg.target.chat_template_kwargs, answer_last=False)
+    turns = regenerate(
+        target.model,
+        target.tokenizer,
+        convs,
+        cc,
+        ec.seed,
+        target.eos_token_ids,
+        cfg.target.chat_template_kwargs,
+        answer_last=False,
+    )
     return [p for ts in turns for p, _ in ts]
 
 
@@ -58,11 +67,23 @@ def eval_prompts(cfg, target, corpus) -> dict[str, list[list[int]]]:
     ec = cfg.eval
     if ec.prompt_sets:
         return {name: set_prompts(cfg, target, uri) for name, uri in ec.prompt_sets.items()}
-    return {d: prompts_for(cfg, corpus, d, "heldout", ec.prompts_per_domain, target.tokenizer) for d in ("code", "prose")}
+    return {
+        d: prompts_for(cfg, corpus, d, "heldout", ec.prompts_per_domain, target.tokenizer) for d in ("code", "prose")
+    }
 
 
-def decode(target_model, drafter, prompts: list[list[int]], sp: SamplingParams, gamma: int, max_new: int,
-           eos: int | tuple[int, ...], seed: int = 0, calibration=None, policy=full_length) -> list[Request]:
+def decode(
+    target_model,
+    drafter,
+    prompts: list[list[int]],
+    sp: SamplingParams,
+    gamma: int,
+    max_new: int,
+    eos: int | tuple[int, ...],
+    seed: int = 0,
+    calibration=None,
+    policy=full_length,
+) -> list[Request]:
     """Batch 1, one prompt after another (the paper's offline protocol); `eos`: the id(s) that end a response."""
     dec = SpeculativeDecoder(target_model, drafter, gamma=gamma, policy=policy, max_slots=1, calibration=calibration)
     return dec.run([Request(p, sp, max_new, seed + i, stop_ids(eos)) for i, p in enumerate(prompts)])
@@ -88,6 +109,18 @@ def summarize(name: str, domain: str, sp: SamplingParams, gamma: int, reqs: list
     tokens = sum(len(q.out) - 1 for q in reqs)  # the first token comes from prefill
     decode_s = sum(q.draft_s + q.verify_s for q in reqs)
     cond, surv = acceptance(reqs, gamma) if gamma else ([], [])
-    return RunResult(name, domain, sp.temperature, gamma, len(reqs), rounds, tokens,
-                     tokens / max(rounds, 1), cond, surv, 1e3 * sum(q.draft_s for q in reqs) / max(rounds, 1),
-                     1e3 * sum(q.verify_s for q in reqs) / max(rounds, 1), tokens / max(decode_s, 1e-9))
+    return RunResult(
+        name,
+        domain,
+        sp.temperature,
+        gamma,
+        len(reqs),
+        rounds,
+        tokens,
+        tokens / max(rounds, 1),
+        cond,
+        surv,
+        1e3 * sum(q.draft_s for q in reqs) / max(rounds, 1),
+        1e3 * sum(q.verify_s for q in reqs) / max(rounds, 1),
+        tokens / max(decode_s, 1e-9),
+    )

@@ -1,5 +1,6 @@
 """Evaluation reports: markdown tables, plots (conditional acceptance, reliability diagrams, threshold
 sweep) and MLflow logging."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,32 +14,49 @@ from dspark.evaluation.measure import RunResult
 
 
 def calibration_markdown(cal_by: dict) -> str:
-    rows = ["| drafter | domain | rounds | k | observed | ECE raw | STS | STS+offset | matched STS | matched STS+offset "
-            "| floor | AUROC | Brier raw / STS+offset |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| drafter | domain | rounds | k | observed | ECE raw | STS | STS+offset | matched STS | matched STS+offset "
+        "| floor | AUROC | Brier raw / STS+offset |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def pct(x: float) -> str:
         return f"{100 * x:.2f}%"
 
     for name, cal in cal_by.items():
         for dom, d in cal["domains"].items():
-            rows += [f"| {name} | {dom} | {d['rounds']} | {p['k']} | {p['observed']:.3f} | {pct(p['ece_raw'])} | "
-                     f"{pct(p['ece_sts'])} | {pct(p['ece_sts_bias'])} | {pct(p['ece_matched_sts'])} | "
-                     f"{pct(p['ece_matched_sts_bias'])} | {pct(p['ece_floor_matched'])} | {p['auroc']:.3f} | "
-                     f"{p['brier_raw']:.4f} / {p['brier_sts_bias']:.4f} |" for p in d["positions"]]
-    rows += ["", "| drafter | domain | threshold | verified/step | accepted/step | rejected/step | acceptance rate |",
-             "|---|---|---|---|---|---|---|"]
+            rows += [
+                f"| {name} | {dom} | {d['rounds']} | {p['k']} | {p['observed']:.3f} | {pct(p['ece_raw'])} | "
+                f"{pct(p['ece_sts'])} | {pct(p['ece_sts_bias'])} | {pct(p['ece_matched_sts'])} | "
+                f"{pct(p['ece_matched_sts_bias'])} | {pct(p['ece_floor_matched'])} | {p['auroc']:.3f} | "
+                f"{p['brier_raw']:.4f} / {p['brier_sts_bias']:.4f} |"
+                for p in d["positions"]
+            ]
+    rows += [
+        "",
+        "| drafter | domain | threshold | verified/step | accepted/step | rejected/step | acceptance rate |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, cal in cal_by.items():
         for dom, d in cal["domains"].items():
-            rows += [f"| {name} | {dom} | {r['threshold']:.1f} | {r['verified']:.2f} | {r['accepted']:.2f} | "
-                     f"{r['rejected']:.2f} | {100 * r['acceptance_rate']:.1f}% |" for r in d["threshold_sweep"]]
+            rows += [
+                f"| {name} | {dom} | {r['threshold']:.1f} | {r['verified']:.2f} | {r['accepted']:.2f} | "
+                f"{r['rejected']:.2f} | {100 * r['acceptance_rate']:.1f}% |"
+                for r in d["threshold_sweep"]
+            ]
     return "\n".join(rows) + "\n"
 
 
 def markdown(results: list[RunResult]) -> str:
-    head = "| drafter | domain | T | gamma | tau | speedup | draft ms | verify ms | cond. acceptance by position |\n" \
-           "|---|---|---|---|---|---|---|---|---|\n"
-    rows = [f"| {r.drafter} | {r.domain} | {r.temperature:g} | {r.gamma} | {r.tau:.3f} | {r.speedup:.2f}x | "
-            f"{r.draft_ms:.1f} | {r.verify_ms:.1f} | {' '.join(f'{a:.2f}' for a in r.cond_accept)} |" for r in results]
+    head = (
+        "| drafter | domain | T | gamma | tau | speedup | draft ms | verify ms | cond. acceptance by position |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = [
+        f"| {r.drafter} | {r.domain} | {r.temperature:g} | {r.gamma} | {r.tau:.3f} | {r.speedup:.2f}x | "
+        f"{r.draft_ms:.1f} | {r.verify_ms:.1f} | {' '.join(f'{a:.2f}' for a in r.cond_accept)} |"
+        for r in results
+    ]
     return head + "\n".join(rows) + "\n"
 
 
@@ -70,8 +88,13 @@ def plot_reliability(obs_by: dict, cal: sts.Calibration, path: Path, bins: int =
             ax.bar((np.arange(bins) + 0.5) / bins, counts / max(counts.max(), 1), width=1 / bins, color="0.9")
             for name, a, style in (("raw", raw, "rs-"), ("STS", fitted, "bo-")):
                 pts = reliability(a[sel, k - 1], y, bins)
-                ax.plot([p for p, _, _ in pts], [o for _, o, _ in pts], style, ms=3,
-                        label=f"{name} ECE {100 * ece(a[sel, k - 1], y, bins):.1f}%")
+                ax.plot(
+                    [p for p, _, _ in pts],
+                    [o for _, o, _ in pts],
+                    style,
+                    ms=3,
+                    label=f"{name} ECE {100 * ece(a[sel, k - 1], y, bins):.1f}%",
+                )
             ax.plot([0, 1], [0, 1], "k--", lw=0.8)
             ax.set_title(f"{label}, position {k} (n={int(sel.sum())})", fontsize=9)
             ax.set_xlabel("predicted a_k")
@@ -108,8 +131,13 @@ def log_results(tracker, res: dict, out_dir: Path, prefix: str = "", artifact_pa
     for name, cal in res["calibration"].items():
         for dom, d in cal["domains"].items():
             for p in d["positions"]:
-                tracker.metrics({f"{prefix}{name}.{dom}.calibration.{m}": p[m] for m in
-                                 ("ece_raw", "ece_sts", "ece_sts_bias", "ece_matched_sts_bias", "ece_floor", "auroc")}, p["k"])
+                tracker.metrics(
+                    {
+                        f"{prefix}{name}.{dom}.calibration.{m}": p[m]
+                        for m in ("ece_raw", "ece_sts", "ece_sts_bias", "ece_matched_sts_bias", "ece_floor", "auroc")
+                    },
+                    p["k"],
+                )
     for f in sorted(out_dir.iterdir()):
         if f.suffix in (".json", ".md", ".png"):
             tracker.artifact(f, artifact_path)

@@ -3,6 +3,7 @@
 A saved drafter is an HF-style folder: config.json + model.safetensors (the target's embedding and
 lm_head are shared and frozen, so they are not in it) + calibration.json once calibrated.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -49,8 +50,10 @@ def load_drafter(path: str | Path, target_model, target_hash: str | None = None,
     c = DrafterConfig.load(path / CONFIG_FILE)
     trained_for = c.target.get("weights_sha256")
     if strict_target and target_hash and trained_for and trained_for != target_hash:
-        raise UserError(f"drafter {path} was trained for target weights {trained_for[:12]}, "
-                        f"not the loaded target {target_hash[:12]} (target.weights_sha256 mismatch)")
+        raise UserError(
+            f"drafter {path} was trained for target weights {trained_for[:12]}, "
+            f"not the loaded target {target_hash[:12]} (target.weights_sha256 mismatch)"
+        )
     drafter = build_drafter(c, target_model)
     dtype = next(target_model.parameters()).dtype
     drafter.load_state_dict(load_file(str(path / WEIGHTS_FILE)))

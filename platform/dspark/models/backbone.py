@@ -7,6 +7,7 @@ where C is the fused target context. Visibility: context strictly before the anc
 own block (bidirectional); never another block. Training packs N blocks of a sequence into one
 forward with exactly this mask (`packed_mask`), so packed logits equal per-block inference logits.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Drafter configuration: sizes come from the target's HF config, so any Qwen3-family target works."""
+
 from __future__ import annotations
 
 import json
@@ -38,10 +39,20 @@ class DrafterConfig:
         c = hf_config
         rope = getattr(c, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
-        return cls(kind=kind, hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
-                   num_kv_heads=c.num_key_value_heads, head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-                   intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, rope_theta=float(theta),
-                   rms_norm_eps=c.rms_norm_eps, tap_layers=list(tap_layers), mask_token_id=mask_token_id, **kw)
+        return cls(
+            kind=kind,
+            hidden_size=c.hidden_size,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            intermediate_size=c.intermediate_size,
+            vocab_size=c.vocab_size,
+            rope_theta=float(theta),
+            rms_norm_eps=c.rms_norm_eps,
+            tap_layers=list(tap_layers),
+            mask_token_id=mask_token_id,
+            **kw,
+        )
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")

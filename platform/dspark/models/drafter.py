@@ -4,6 +4,7 @@ Decoding keeps one `DraftState` per request. After the target commits tokens, `e
 target features of the new positions (and, per position, the token that follows it: the last one
 is the new anchor). `propose` then drafts gamma tokens after each request's anchor.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -75,8 +76,9 @@ class Drafter(nn.Module):
     def has_confidence(self) -> bool:
         return False
 
-    def train_outputs(self, feats: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor,
-                      gamma: int) -> dict[str, torch.Tensor]:
+    def train_outputs(
+        self, feats: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor, gamma: int
+    ) -> dict[str, torch.Tensor]:
         """Teacher-forced drafts for N anchors per sequence.
 
         feats (B, T, m, d), ids (B, T), valid (B, T), anchors (B, N) anchor positions p.

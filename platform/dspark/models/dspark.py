@@ -6,6 +6,7 @@ Drafting one round (anchor x_0 at position p):
         p_k = softmax(U_k + B_k(x_{<k}))   x_k ~ p_k   c_k = σ(w·[h_k; W1[x_{k-1}]] + b)
 DFlash samples every slot from softmax(U_k) independently.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -32,8 +33,9 @@ class DSpark(Drafter):
 
     def _block(self, anchor_tokens: torch.Tensor, gamma: int) -> torch.Tensor:
         """anchor_tokens (..., ) -> block ids (..., gamma): [x_0, MASK, ..., MASK]."""
-        block = torch.full((*anchor_tokens.shape, gamma), self.c.mask_token_id, dtype=torch.long,
-                           device=anchor_tokens.device)
+        block = torch.full(
+            (*anchor_tokens.shape, gamma), self.c.mask_token_id, dtype=torch.long, device=anchor_tokens.device
+        )
         block[..., 0] = anchor_tokens
         return block
 
@@ -75,8 +77,13 @@ class DSpark(Drafter):
         ctx_kv, valid = pad_states(states, len(self.backbone.layers))
         p = torch.tensor([s.length for s in states], device=anchors.device)  # anchor positions
         pos = p[:, None] + torch.arange(gamma, device=anchors.device)  # (R, G)
-        mask = torch.cat([valid[:, None, :].expand(R, gamma, -1),
-                          torch.ones(R, gamma, gamma, dtype=torch.bool, device=anchors.device)], -1)[:, None]
+        mask = torch.cat(
+            [
+                valid[:, None, :].expand(R, gamma, -1),
+                torch.ones(R, gamma, gamma, dtype=torch.bool, device=anchors.device),
+            ],
+            -1,
+        )[:, None]
         x = self.head.embed(self._block(anchors, gamma)).to(ctx_kv[0][0].dtype)  # (R, G, d)
         h = self.backbone(x, pos, ctx_kv, mask)  # (R, G, d)
         U = self.head.logits(h).float()  # (R, G, V)
@@ -92,4 +99,6 @@ class DSpark(Drafter):
             toks.append(tok)
             probs.append(q)
             prev = tok
-        return Proposal(torch.stack(toks, 1), None if probs[0] is None else torch.stack(probs, 1), torch.stack(confs, 1))
+        return Proposal(
+            torch.stack(toks, 1), None if probs[0] is None else torch.stack(probs, 1), torch.stack(confs, 1)
+        )

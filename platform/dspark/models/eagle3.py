@@ -10,6 +10,7 @@ step (so drafting cost grows linearly with gamma). Training-time test (TTT) repr
 
 Loss: soft cross-entropy against the target distribution, step weight 0.8^k (see dspark.train.loss).
 """
+
 from __future__ import annotations
 
 import torch

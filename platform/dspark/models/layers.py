@@ -1,5 +1,6 @@
 """Building blocks shared by the drafters: context fusion, RoPE, and a Qwen3-style draft layer whose
 attention reads an external key/value prefix (the target context) besides its own tokens."""
+
 from __future__ import annotations
 
 import torch
@@ -28,7 +29,7 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     ang = pos.to(torch.float32)[..., None] * inv  # (B, T, hd/2)
     cos = torch.cat([ang.cos(), ang.cos()], -1)[:, :, None].to(x.dtype)  # (B, T, 1, hd)
     sin = torch.cat([ang.sin(), ang.sin()], -1)[:, :, None].to(x.dtype)
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
@@ -61,8 +62,13 @@ class DraftLayer(nn.Module):
         v = self.v_proj(h).view(B, T, self.c.num_kv_heads, self.c.head_dim)
         return rope(k, pos, self.c.rope_theta).transpose(1, 2), v.transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, prefix: tuple[torch.Tensor, torch.Tensor] | None,
-                mask: torch.Tensor | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        pos: torch.Tensor,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x: (B, Q, d) at positions pos (B, Q); prefix k/v: (B, KVH, P, hd); mask: (B, 1, Q, P+Q) bool,
         True = visible (None = all visible). Returns (B, Q, d) and this call's own k/v."""
         B, Q, _ = x.shape

@@ -10,6 +10,7 @@ sampled before it, p_k(v) ∝ exp(U_k(v) + B_k(x_{<k}, v)); and the confidence h
 Training runs all positions at once with teacher forcing (the RNN unrolled over gamma); inference
 calls `step` left to right. Cost per step: one r-gather and one r x V product.
 """
+
 from __future__ import annotations
 
 import torch

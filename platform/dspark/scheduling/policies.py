@@ -16,6 +16,7 @@ expected accepted tokens tau = sum_r (1 + sum_{j<=l_r} a_{r,j}), throughput Thet
 `make_policy` turns a policy name into the callable the decoder runs each round; it is the one
 name -> function table (the engine, the jobs and the benches all use it).
 """
+
 from __future__ import annotations
 
 from collections import deque

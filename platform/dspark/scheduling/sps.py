@@ -2,6 +2,7 @@
 
 Profiled once on the actual device (warm-up, repeats, median, realistic context lengths) and kept as
 a table; a table measured elsewhere (production hardware) can be loaded from JSON instead."""
+
 from __future__ import annotations
 
 import json

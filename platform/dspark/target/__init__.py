@@ -14,6 +14,7 @@ Identity: `weights_sha256` hashes the safetensors files (for a converted GGUF: t
 `revision` is the hub commit. Device, dtype and attention backend are configuration; nothing here
 assumes a CPU.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -73,8 +74,12 @@ class Target:
 
     def identity(self) -> dict:
         """What caches and drafters record about the target they were made with."""
-        return {"name": self.name, "weights_sha256": self.weights_sha256, "revision": self.revision,
-                "mask_token_id": self.mask_token_id}
+        return {
+            "name": self.name,
+            "weights_sha256": self.weights_sha256,
+            "revision": self.revision,
+            "mask_token_id": self.mask_token_id,
+        }
 
 
 def resolve(name_or_path: str, revision: str | None = None, cache_dir: str | Path | None = None) -> str:
@@ -101,7 +106,7 @@ def resolve(name_or_path: str, revision: str | None = None, cache_dir: str | Pat
 def package_file(spec: str) -> Path:
     """pkg://<package>/<path> -> the file inside the installed package, without importing it (a
     package's __init__ may need dependencies we do not install)."""
-    package, _, rel = spec[len(PKG):].partition("/")
+    package, _, rel = spec[len(PKG) :].partition("/")
     if not package or not rel:
         raise UserError(f"target {spec!r}: expected pkg://<package>/<file inside it>")
     found = importlib.util.find_spec(package)
@@ -123,8 +128,10 @@ def convert_gguf(gguf: Path, cache_dir: Path, source: str) -> str:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except ImportError as e:
-        raise UserError(f"target {source}: loading a GGUF needs the gguf and accelerate packages "
-                        f"(pip install 'dspark[smollm2]'): {str(e).splitlines()[0]}") from None
+        raise UserError(
+            f"target {source}: loading a GGUF needs the gguf and accelerate packages "
+            f"(pip install 'dspark[smollm2]'): {str(e).splitlines()[0]}"
+        ) from None
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"target {source}: GGUF {gguf} could not be loaded: {str(e).splitlines()[0]}") from None
     # save_pretrained refuses a GGUF-loaded model; the dequantized weights are plain tensors
@@ -210,10 +217,17 @@ def hf_config(name_or_path: str, revision: str | None = None, cache_dir: str | P
         raise UserError(f"target {path!r} config could not be read: {str(e).splitlines()[0]}") from None
 
 
-def load(name_or_path: str = "builtin", device: str = "cpu", dtype: str = "float32",
-         attn_implementation: str | None = None, *, revision: str | None = None,
-         cache_dir: str | Path | None = None, mask_token: int | str | None = None,
-         pad_token: str | None = None) -> Target:
+def load(
+    name_or_path: str = "builtin",
+    device: str = "cpu",
+    dtype: str = "float32",
+    attn_implementation: str | None = None,
+    *,
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+    mask_token: int | str | None = None,
+    pad_token: str | None = None,
+) -> Target:
     """Load any decoder-only HF causal LM with its tokenizer, frozen, in eval mode."""
     from transformers import AutoModelForCausalLM
 
@@ -232,8 +246,13 @@ def load(name_or_path: str = "builtin", device: str = "cpu", dtype: str = "float
     return Target(name_or_path, path, model, tokenizer, weights_hash(path), hub_revision(path))
 
 
-def tokenizer_for(name_or_path: str, revision: str | None = None, cache_dir: str | Path | None = None,
-                  mask_token: int | str | None = None, pad_token: str | None = None):
+def tokenizer_for(
+    name_or_path: str,
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+    mask_token: int | str | None = None,
+    pad_token: str | None = None,
+):
     """The target's tokenizer as `load` prepares it, without loading the weights."""
     path = resolve(name_or_path, revision, cache_dir)
     return prepare_tokenizer(load_tokenizer(path), hf_config(path).vocab_size, mask_token, pad_token)
@@ -261,8 +280,10 @@ def prepare_tokenizer(tokenizer, vocab_size: int, mask_token: int | str | None =
     elif tokenizer.mask_token is None:
         tokenizer.mask_token = _unused_special_token(tokenizer, vocab_size)
     if not 0 <= tokenizer.mask_token_id < vocab_size:
-        raise UserError(f"target mask token {tokenizer.mask_token!r} (id {tokenizer.mask_token_id}) has no embedding "
-                        f"row in a vocabulary of {vocab_size}: set target.mask_token")
+        raise UserError(
+            f"target mask token {tokenizer.mask_token!r} (id {tokenizer.mask_token_id}) has no embedding "
+            f"row in a vocabulary of {vocab_size}: set target.mask_token"
+        )
     return tokenizer
 
 
@@ -280,8 +301,11 @@ def _vocab_token(tokenizer, token: int | str, vocab_size: int, key: str) -> str:
 def _unused_special_token(tokenizer, vocab_size: int) -> str:
     taken = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-    free = [i for i, t in tokenizer.added_tokens_decoder.items()
-            if t.special and i < vocab_size and i not in taken and t.content not in template]
+    free = [
+        i
+        for i, t in tokenizer.added_tokens_decoder.items()
+        if t.special and i < vocab_size and i not in taken and t.content not in template
+    ]
     if not free:
         raise UserError("the target's tokenizer has no mask token and no unused special token: set target.mask_token")
     return tokenizer.added_tokens_decoder[max(free)].content
@@ -296,8 +320,9 @@ def eos_ids(generation_config, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def head_weights(name_or_path: str, dtype: str = "float32", revision: str | None = None,
-                 cache_dir: str | Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def head_weights(
+    name_or_path: str, dtype: str = "float32", revision: str | None = None, cache_dir: str | Path | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's input embedding and lm_head matrices (V, d) without loading the whole model:
     what a drafter shares. Safetensors files are read selectively (sharded or not)."""
     from safetensors import safe_open
@@ -326,8 +351,16 @@ def load_from_config(cfg) -> Target:
     """`cfg` is a dspark.config.TargetConfig."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    return load(cfg.name_or_path, cfg.device, cfg.dtype, cfg.attn_implementation, revision=cfg.revision,
-                cache_dir=cfg.cache_dir, mask_token=cfg.mask_token, pad_token=cfg.pad_token)
+    return load(
+        cfg.name_or_path,
+        cfg.device,
+        cfg.dtype,
+        cfg.attn_implementation,
+        revision=cfg.revision,
+        cache_dir=cfg.cache_dir,
+        mask_token=cfg.mask_token,
+        pad_token=cfg.pad_token,
+    )
 
 
 def card(path: str) -> dict:

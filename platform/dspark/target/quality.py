@@ -1,5 +1,6 @@
 """Measured quality of a target: held-out perplexity and top-1 accuracy, a unigram baseline, and
 greedy samples."""
+
 from __future__ import annotations
 
 import math
@@ -21,13 +22,13 @@ def lm_quality(model, seqs: list[list[int]], pad_id: int, batch_size: int = 8) -
     device = next(model.parameters()).device
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths pad less
     for i in range(0, len(order), batch_size):
-        batch = [seqs[j] for j in order[i:i + batch_size]]
+        batch = [seqs[j] for j in order[i : i + batch_size]]
         width = max(len(s) for s in batch)
         ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for r, s in enumerate(batch):
-            ids[r, :len(s)] = torch.tensor(s)
-            mask[r, :len(s)] = 1
+            ids[r, : len(s)] = torch.tensor(s)
+            mask[r, : len(s)] = 1
         ids, mask = ids.to(device), mask.to(device)
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()  # (B, T-1, V)
         labels, valid = ids[:, 1:], mask[:, 1:].bool()
@@ -55,7 +56,12 @@ def greedy_continuations(model, tokenizer, prompts: list[str], max_new_tokens: i
     device = next(model.parameters()).device
     for prompt in prompts:
         ids = torch.tensor([encode_prompt(tokenizer, prompt)], device=device)
-        gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        out.append(tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True))
+        gen = model.generate(
+            ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        out.append(tokenizer.decode(gen[0, ids.shape[1] :], skip_special_tokens=True))
     return out

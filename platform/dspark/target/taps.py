@@ -4,6 +4,7 @@ Default taps are spread evenly from layer 1 to layer L-3, which for Qwen3-4B (L=
 paper's [1, 9, 17, 25, 33]. The final-norm output ("last hidden") is captured too: it is what the
 frozen lm_head turns into the target's distribution.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -24,7 +25,9 @@ def resolve_layers(num_layers: int, layers: list[int], m: int) -> list[int]:
     layers = list(layers) or default_layers(num_layers, m)
     bad = [i for i in layers if not 0 <= i < num_layers]
     if bad:
-        raise UserError(f"cache.layers: layer ids {bad} out of range for a target with {num_layers} layers (0..{num_layers - 1})")
+        raise UserError(
+            f"cache.layers: layer ids {bad} out of range for a target with {num_layers} layers (0..{num_layers - 1})"
+        )
     if len(set(layers)) != len(layers) or layers != sorted(layers):
         raise UserError(f"cache.layers: {layers} must be distinct and increasing")
     return layers
@@ -48,6 +51,7 @@ def capture(model, layers: list[int]):
                 out["last"] = h
             else:
                 out["layers"][slot] = h
+
         return hook
 
     blocks = decoder_layers(model)

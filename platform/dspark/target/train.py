@@ -4,6 +4,7 @@ The run is resumable (model, optimizer, step, data position, RNG and elapsed tim
 atomically), so a longer budget can be spent across several sittings. The learning-rate schedule is
 linear warmup then cosine over the budget: steps if `max_steps` is set, else wall-clock minutes.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,11 +32,19 @@ def qwen3_config(tc: TargetTrainConfig, tokenizer):
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
-        num_hidden_layers=tc.num_layers, num_attention_heads=tc.num_heads, num_key_value_heads=tc.num_kv_heads,
-        head_dim=tc.hidden_size // tc.num_heads, max_position_embeddings=tc.max_position_embeddings,
-        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=tc.hidden_size,
+        intermediate_size=tc.intermediate_size,
+        num_hidden_layers=tc.num_layers,
+        num_attention_heads=tc.num_heads,
+        num_key_value_heads=tc.num_kv_heads,
+        head_dim=tc.hidden_size // tc.num_heads,
+        max_position_embeddings=tc.max_position_embeddings,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
 
 
@@ -99,9 +108,17 @@ def train_target(cfg: Config, log=print) -> dict:
     train_ex = [ex for d in DOMAINS for ex in split_examples(corpus, d, "train", cfg.corpus)]
     full = tok([ex.prompt for ex in train_ex], add_special_tokens=False)["input_ids"]
     resp = tok([ex.response for ex in train_ex], add_special_tokens=False)["input_ids"]
-    seqs = [np.asarray([tok.bos_token_id, tok.convert_tokens_to_ids("<|user|>")] + p
-                       + [tok.convert_tokens_to_ids("<|assistant|>")] + r + [tok.eos_token_id], dtype=np.int64)
-            for p, r in zip(full, resp)]
+    seqs = [
+        np.asarray(
+            [tok.bos_token_id, tok.convert_tokens_to_ids("<|user|>")]
+            + p
+            + [tok.convert_tokens_to_ids("<|assistant|>")]
+            + r
+            + [tok.eos_token_id],
+            dtype=np.int64,
+        )
+        for p, r in zip(full, resp)
+    ]
     stream = TokenStream(seqs, tc.seq_len, tc.seed)
     log(f"corpus {manifest['sha256'][:12]}: {len(train_ex)} train examples, {stream.tokens:,} tokens/epoch")
 
@@ -114,20 +131,30 @@ def train_target(cfg: Config, log=print) -> dict:
         opt.load_state_dict(ck["opt"])
         state = ck["state"]
         torch.set_rng_state(ck["torch_rng"])
-        log(f"resumed from {ckpt_path} at step {state['step']} ({state['tokens']:,} tokens, "
-            f"{state['elapsed_s'] / 60:.1f} min)")
+        log(
+            f"resumed from {ckpt_path} at step {state['step']} ({state['tokens']:,} tokens, "
+            f"{state['elapsed_s'] / 60:.1f} min)"
+        )
     n_params = sum(p.numel() for p in model.parameters())
     log(f"Qwen3ForCausalLM {tc.num_layers}L d={tc.hidden_size}: {n_params / 1e6:.2f} M parameters")
 
     def checkpoint():
-        _save_atomic({"model": model.state_dict(), "opt": opt.state_dict(), "state": state,
-                      "torch_rng": torch.get_rng_state()}, ckpt_path)
+        _save_atomic(
+            {"model": model.state_dict(), "opt": opt.state_dict(), "state": state, "torch_rng": torch.get_rng_state()},
+            ckpt_path,
+        )
 
     with tracking_run(cfg, "train-target", run_id=state["run_id"]) as tracker:
         if state["run_id"] is None:
             state["run_id"] = tracker.run_id
-            tracker.params({**{k: v for k, v in cfg.flat().items() if k.startswith(("target_train.", "corpus."))},
-                            "corpus_sha256": manifest["sha256"], "params": n_params, **system_info()})
+            tracker.params(
+                {
+                    **{k: v for k, v in cfg.flat().items() if k.startswith(("target_train.", "corpus."))},
+                    "corpus_sha256": manifest["sha256"],
+                    "params": n_params,
+                    **system_info(),
+                }
+            )
         _train_loop(model, opt, stream, tc, state, tracker, checkpoint, log)
         checkpoint()
         card = _finish(cfg, model, tok, corpus, stream, state, manifest, n_params, out, log)
@@ -136,8 +163,9 @@ def train_target(cfg: Config, log=print) -> dict:
     return card
 
 
-def _train_loop(model, opt, stream: TokenStream, tc: TargetTrainConfig, state: dict, tracker: Tracker,
-                checkpoint, log) -> None:
+def _train_loop(
+    model, opt, stream: TokenStream, tc: TargetTrainConfig, state: dict, tracker: Tracker, checkpoint, log
+) -> None:
     model.train()
     budget_s = tc.minutes * 60
     last_ckpt = time.monotonic()
@@ -148,7 +176,7 @@ def _train_loop(model, opt, stream: TokenStream, tc: TargetTrainConfig, state: d
         if state["row"] + tc.batch_size > len(rows):
             state["epoch"], state["row"] = state["epoch"] + 1, 0
             continue
-        batch = torch.from_numpy(rows[state["row"]: state["row"] + tc.batch_size])  # (B, T+1)
+        batch = torch.from_numpy(rows[state["row"] : state["row"] + tc.batch_size])  # (B, T+1)
         lr = lr_at(tc, state["step"], state["elapsed_s"])
         for g in opt.param_groups:
             g["lr"] = lr
@@ -165,8 +193,17 @@ def _train_loop(model, opt, stream: TokenStream, tc: TargetTrainConfig, state: d
         state["elapsed_s"] += dt
         tok_s = batch[:, 1:].numel() / dt
         if state["step"] % 10 == 0:
-            tracker.metrics({"loss": loss.item(), "lr": lr, "grad_norm": gnorm.item(), "tokens_per_s": tok_s,
-                             "tokens": state["tokens"], "epoch": state["epoch"]}, state["step"])
+            tracker.metrics(
+                {
+                    "loss": loss.item(),
+                    "lr": lr,
+                    "grad_norm": gnorm.item(),
+                    "tokens_per_s": tok_s,
+                    "tokens": state["tokens"],
+                    "epoch": state["epoch"],
+                },
+                state["step"],
+            )
             bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tok_s:.0f}", min=f"{state['elapsed_s'] / 60:.1f}")
         bar.update(1)
         if time.monotonic() - last_ckpt > tc.checkpoint_every_s:
@@ -190,8 +227,11 @@ def _finish(cfg: Config, model, tok, corpus, stream, state, manifest, n_params, 
     for domain in DOMAINS:
         exs = split_examples(corpus, domain, "heldout", cfg.corpus)[: tc.eval_examples]
         seqs = quality.example_ids(tok, exs, tc.seq_len)
-        heldout[domain] = {"model": quality.lm_quality(model, seqs, tok.pad_token_id),
-                           "unigram": quality.unigram_baseline(counts, seqs), "examples": len(exs)}
+        heldout[domain] = {
+            "model": quality.lm_quality(model, seqs, tok.pad_token_id),
+            "unigram": quality.unigram_baseline(counts, seqs),
+            "examples": len(exs),
+        }
     prompts = [ex.prompt for ex in split_examples(corpus, "code", "heldout", cfg.corpus)[:2]]
     samples = [{"prompt": p, "greedy": c} for p, c in zip(prompts, quality.greedy_continuations(model, tok, prompts))]
     card = {
@@ -199,15 +239,29 @@ def _finish(cfg: Config, model, tok, corpus, stream, state, manifest, n_params, 
         "parameters": n_params,
         "recipe": tc.model_dump(),
         "corpus": manifest,
-        "training": {"steps": state["step"], "tokens": state["tokens"], "epochs": state["tokens"] / stream.tokens,
-                     "wall_minutes": state["elapsed_s"] / 60, "threads": tc.threads},
-        "heldout": {d: {"ppl": h["model"]["ppl"], "top1": h["model"]["top1"], "tokens": h["model"]["tokens"],
-                        "unigram_ppl": h["unigram"]["ppl"], "unigram_top1": h["unigram"]["top1"]}
-                    for d, h in heldout.items()},
+        "training": {
+            "steps": state["step"],
+            "tokens": state["tokens"],
+            "epochs": state["tokens"] / stream.tokens,
+            "wall_minutes": state["elapsed_s"] / 60,
+            "threads": tc.threads,
+        },
+        "heldout": {
+            d: {
+                "ppl": h["model"]["ppl"],
+                "top1": h["model"]["top1"],
+                "tokens": h["model"]["tokens"],
+                "unigram_ppl": h["unigram"]["ppl"],
+                "unigram_top1": h["unigram"]["top1"],
+            }
+            for d, h in heldout.items()
+        },
         "greedy_samples": samples,
     }
     (out / CARD).write_text(json.dumps(card, indent=2) + "\n")
     for d, h in card["heldout"].items():
-        log(f"held-out {d}: ppl {h['ppl']:.1f} (unigram {h['unigram_ppl']:.1f}), "
-            f"top-1 {h['top1']:.1%} (unigram {h['unigram_top1']:.1%}) over {h['tokens']:,} tokens")
+        log(
+            f"held-out {d}: ppl {h['ppl']:.1f} (unigram {h['unigram_ppl']:.1f}), "
+            f"top-1 {h['top1']:.1%} (unigram {h['unigram_top1']:.1%}) over {h['tokens']:,} tokens"
+        )
     return card

@@ -1,6 +1,7 @@
 """Anchor sampling: N block anchors per sequence, uniformly among positions p where the anchor x_p
 and its next token are both in the response (what decoding sees: every round's anchor is a
 committed response token), and the slot labels x_{p+1..p+gamma} with a contiguous valid prefix."""
+
 from __future__ import annotations
 
 import torch

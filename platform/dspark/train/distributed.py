@@ -4,6 +4,7 @@ MLflow run, and starts Ray Train (TorchTrainer, V2 API) workers running `dspark.
 Rerunning the job with the same run name resumes from the run's latest checkpoint (see the worker for
 what a checkpoint holds); `train.warm_start` loads weights only.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,7 +30,9 @@ from dspark.train.worker import train_loop_per_worker
 
 def total_steps(cfg: Config, rows: int) -> int:
     tc = cfg.train
-    per_epoch = max(1, (rows // max(1, tc.num_workers)) // tc.micro_batch * tc.micro_batch * tc.num_workers // tc.global_batch)
+    per_epoch = max(
+        1, (rows // max(1, tc.num_workers)) // tc.micro_batch * tc.micro_batch * tc.num_workers // tc.global_batch
+    )
     return tc.max_steps or per_epoch * tc.epochs
 
 
@@ -54,22 +57,45 @@ def fit(cfg: Config, log=print, in_memory: bool = False) -> dict:
     fs, path = _run_storage(storage, runs_uri)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"cfg": cfg.model_dump_json(), "manifest": cache.manifest.to_json(), "total_steps": steps,
-                           "mlflow_run_id": run_id, "out_uri": out_uri, "storage": storage},
-        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.gpus_per_worker > 0,
-                                     resources_per_worker={"CPU": tc.cpus_per_worker,
-                                                           **({"GPU": tc.gpus_per_worker} if tc.gpus_per_worker else {})}),
-        run_config=RunConfig(name=name, storage_path=path, storage_filesystem=fs,
-                             failure_config=FailureConfig(max_failures=tc.max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=tc.keep_checkpoints)),
+        train_loop_config={
+            "cfg": cfg.model_dump_json(),
+            "manifest": cache.manifest.to_json(),
+            "total_steps": steps,
+            "mlflow_run_id": run_id,
+            "out_uri": out_uri,
+            "storage": storage,
+        },
+        scaling_config=ScalingConfig(
+            num_workers=tc.num_workers,
+            use_gpu=tc.gpus_per_worker > 0,
+            resources_per_worker={
+                "CPU": tc.cpus_per_worker,
+                **({"GPU": tc.gpus_per_worker} if tc.gpus_per_worker else {}),
+            },
+        ),
+        run_config=RunConfig(
+            name=name,
+            storage_path=path,
+            storage_filesystem=fs,
+            failure_config=FailureConfig(max_failures=tc.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=tc.keep_checkpoints),
+        ),
         datasets={"train": ds},
         dataset_config=DataConfig(datasets_to_split=["train"]),
     )
-    log(f"[train] {name}: {tc.drafter} x{tc.num_layers} layers, {tc.num_workers} workers, ZeRO-{tc.zero_stage}, "
-        f"{steps} steps of {tc.global_batch} sequences from {cache.uri} ({rows} rows); checkpoints in {runs_uri}/{name}")
+    log(
+        f"[train] {name}: {tc.drafter} x{tc.num_layers} layers, {tc.num_workers} workers, ZeRO-{tc.zero_stage}, "
+        f"{steps} steps of {tc.global_batch} sequences from {cache.uri} ({rows} rows); checkpoints in {runs_uri}/{name}"
+    )
     result = trainer.fit()
-    return {"name": name, "run_id": run_id, "out_uri": out_uri, "steps": steps, "metrics": result.metrics,
-            "checkpoint": str(result.checkpoint.path) if result.checkpoint else None}
+    return {
+        "name": name,
+        "run_id": run_id,
+        "out_uri": out_uri,
+        "steps": steps,
+        "metrics": result.metrics,
+        "checkpoint": str(result.checkpoint.path) if result.checkpoint else None,
+    }
 
 
 def _run_storage(storage, runs_uri: str):

@@ -3,6 +3,7 @@ distributed trainer through `drafter_loss` and `lr_factor` (the same step, insid
 
 One optimizer step accumulates micro-batches up to the global batch and normalises the summed slot
 losses by the summed slot weights, so the result does not depend on how the batch was split."""
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,14 @@ def make_optimizer(drafter, lr: float, weight_decay: float) -> torch.optim.Optim
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
 
 
-def fit(drafter, batches: Callable[[], Iterator[dict]], tc, steps: int, log: Callable[[int, dict], None] | None = None,
-        seed: int | None = None) -> list[dict]:
+def fit(
+    drafter,
+    batches: Callable[[], Iterator[dict]],
+    tc,
+    steps: int,
+    log: Callable[[int, dict], None] | None = None,
+    seed: int | None = None,
+) -> list[dict]:
     """Train for `steps` optimizer steps. `batches()` yields micro-batches of decoded cache rows and
     is called again at the end of each epoch. `tc` is a TrainConfig. Returns per-step metrics."""
     torch.manual_seed(tc.seed if seed is None else seed)
@@ -61,8 +68,13 @@ def fit(drafter, batches: Callable[[], Iterator[dict]], tc, steps: int, log: Cal
         gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
         opt.step()
         sched.step()
-        m = {"loss": loss_total / max(total_w, 1e-9), "grad_norm": float(gnorm), "lr": sched.get_last_lr()[0],
-             "tokens_per_s": tokens / (time.perf_counter() - t0), **summarize(stats_sum, max(total_w, 1e-9))}
+        m = {
+            "loss": loss_total / max(total_w, 1e-9),
+            "grad_norm": float(gnorm),
+            "lr": sched.get_last_lr()[0],
+            "tokens_per_s": tokens / (time.perf_counter() - t0),
+            **summarize(stats_sum, max(total_w, 1e-9)),
+        }
         history.append(m)
         if log:
             log(step, m)

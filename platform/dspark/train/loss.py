@@ -11,6 +11,7 @@ p_t comes from the cached final-norm hidden state through the frozen lm_head, ON
 label positions (never full-sequence logits). Losses are returned as a weighted SUM plus the weight
 total, so a distributed loop can normalise by the all-reduced total.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,11 +39,17 @@ class LossWeights:
 
 def slot_weights(kind: str, gamma: int, lw: LossWeights, device) -> torch.Tensor:
     k = torch.arange(gamma, device=device, dtype=torch.float32)
-    return lw.eagle_step ** k if kind == "eagle3" else torch.exp(-k / lw.slot_decay)
+    return lw.eagle_step**k if kind == "eagle3" else torch.exp(-k / lw.slot_decay)
 
 
-def drafter_loss(drafter, batch: dict, gamma: int, n_anchors: int, lw: LossWeights = LossWeights(),
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def drafter_loss(
+    drafter,
+    batch: dict,
+    gamma: int,
+    n_anchors: int,
+    lw: LossWeights = LossWeights(),
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """batch: decoded cache rows (input_ids, loss_mask, valid, features, last_hidden).
     Returns (weighted loss sum, weight sum, detached per-slot statistics)."""
     kind = drafter.c.kind
@@ -79,11 +86,13 @@ def drafter_loss(drafter, batch: dict, gamma: int, n_anchors: int, lw: LossWeigh
     weight_sum = w.sum().detach()
     slot = torch.arange(gamma, device=ids.device).expand_as(label_pos)[sel]
     stats = {
-        "ce_sum": (w * ce).sum().detach(), "l1_sum": (w * l1).sum().detach(),
+        "ce_sum": (w * ce).sum().detach(),
+        "l1_sum": (w * l1).sum().detach(),
         "accept_sum_k": torch.zeros(gamma, device=ids.device).index_add_(0, slot, accept),
         "top1_sum_k": torch.zeros(gamma, device=ids.device).index_add_(0, slot, (logits.argmax(-1) == y).float()),
         "count_k": torch.zeros(gamma, device=ids.device).index_add_(0, slot, torch.ones_like(accept)),
-        "tokens": valid.sum().detach(), "slots": sel.sum().detach(),
+        "tokens": valid.sum().detach(),
+        "slots": sel.sum().detach(),
     }
     if kind == "dspark":
         stats["bce_sum"] = (w * bce).sum().detach()

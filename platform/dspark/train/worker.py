@@ -8,6 +8,7 @@ worker group resumes from the latest one, skipping the micro-batches the epoch a
 with anchors seeded by (seed, rank, step) — so step numbers continue without loss or repetition.
 Metrics reach MLflow (rank 0) only once their checkpoint is committed, exactly once.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,6 +43,7 @@ CLIENT_STATE = "dspark_state.json"  # the data position and the not-yet-logged m
 @dataclass
 class Position:
     """Where training is: saved in every checkpoint, so a restart continues exactly here."""
+
     epoch: int = 0
     micro_in_epoch: int = 0  # micro-batches of this epoch already consumed
     step: int = 0  # optimizer steps done
@@ -51,8 +53,10 @@ class Position:
 def ds_config(tc, world: int, cuda: bool) -> dict:
     per_step = tc.micro_batch * world
     if tc.global_batch % per_step:
-        raise UserError(f"train.global_batch={tc.global_batch} must be a multiple of train.micro_batch x "
-                        f"train.num_workers = {per_step}")
+        raise UserError(
+            f"train.global_batch={tc.global_batch} must be a multiple of train.micro_batch x "
+            f"train.num_workers = {per_step}"
+        )
     conf = {
         "train_micro_batch_size_per_gpu": tc.micro_batch,
         "gradient_accumulation_steps": tc.global_batch // per_step,
@@ -63,7 +67,10 @@ def ds_config(tc, world: int, cuda: bool) -> dict:
         "wall_clock_breakdown": False,
     }
     if tc.optimizer != "torch_adamw":  # DeepSpeed's own optimizers (fused on CUDA, CPU Adam with offload)
-        conf["optimizer"] = {"type": "AdamW", "params": {"lr": tc.lr, "betas": [0.9, 0.95], "weight_decay": tc.weight_decay}}
+        conf["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": tc.lr, "betas": [0.9, 0.95], "weight_decay": tc.weight_decay},
+        }
         if tc.optimizer == "deepspeed_cpu_adam":
             conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     return conf
@@ -86,7 +93,9 @@ def mask_id(cfg: Config) -> int:
     tokenizer's own or an unused special token); recorded in the drafter's config."""
     tok = targets.tokenizer_from_config(cfg.target)
     if tok.mask_token_id is None:
-        raise UserError(f"the tokenizer of target {cfg.target.name_or_path} has no mask token; parallel drafters need one")
+        raise UserError(
+            f"the tokenizer of target {cfg.target.name_or_path} has no mask token; parallel drafters need one"
+        )
     return tok.mask_token_id
 
 
@@ -96,9 +105,17 @@ def drafter_for(cfg: Config, manifest: Manifest, device):
     tc = cfg.train
     embed, head = targets.head_weights(cfg.target.name_or_path, "float32", cfg.target.revision, cfg.target.cache_dir)
     hf = targets.hf_config(cfg.target.name_or_path, cfg.target.revision, cfg.target.cache_dir)
-    dc = DrafterConfig.from_target(hf, tc.drafter, manifest.layers, mask_id(cfg), num_layers=tc.num_layers,
-                                   gamma=tc.gamma, markov=tc.markov if tc.drafter == "dspark" else "none",
-                                   markov_rank=tc.markov_rank, target=manifest.target)
+    dc = DrafterConfig.from_target(
+        hf,
+        tc.drafter,
+        manifest.layers,
+        mask_id(cfg),
+        num_layers=tc.num_layers,
+        gamma=tc.gamma,
+        markov=tc.markov if tc.drafter == "dspark" else "none",
+        markov_rank=tc.markov_rank,
+        target=manifest.target,
+    )
     return build_drafter(dc, FrozenTargetHead(embed, head)).to(device)
 
 
@@ -109,10 +126,12 @@ def _engine(cfg: Config, drafter, world: int, cuda: bool, total: int):
     kwargs = {}
     if tc.optimizer == "torch_adamw":
         kwargs["optimizer"] = make_optimizer(drafter, tc.lr, tc.weight_decay)
-        kwargs["lr_scheduler"] = torch.optim.lr_scheduler.LambdaLR(kwargs["optimizer"],
-                                                                   lambda s: lr_factor(s, total, tc.warmup_frac))
+        kwargs["lr_scheduler"] = torch.optim.lr_scheduler.LambdaLR(
+            kwargs["optimizer"], lambda s: lr_factor(s, total, tc.warmup_frac)
+        )
     engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=drafter, config=conf, model_parameters=[p for p in drafter.parameters() if p.requires_grad], **kwargs)
+        model=drafter, config=conf, model_parameters=[p for p in drafter.parameters() if p.requires_grad], **kwargs
+    )
     if scheduler is None:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, tc.warmup_frac))
     return engine, scheduler
@@ -132,9 +151,15 @@ def _micro_batches(shard, tc, pos: Position, manifest: Manifest, device):
     """This rank's micro-batches from the data position on, epoch after epoch: (batch, seconds waited
     for it). The caller counts pos.micro_in_epoch; an exhausted epoch starts the next one."""
     while True:
-        it = iter(shard.iter_batches(batch_size=tc.micro_batch, batch_format="numpy", drop_last=True,
-                                     local_shuffle_buffer_size=4 * tc.micro_batch,
-                                     local_shuffle_seed=tc.seed + pos.epoch))
+        it = iter(
+            shard.iter_batches(
+                batch_size=tc.micro_batch,
+                batch_format="numpy",
+                drop_last=True,
+                local_shuffle_buffer_size=4 * tc.micro_batch,
+                local_shuffle_seed=tc.seed + pos.epoch,
+            )
+        )
         for _ in range(pos.micro_in_epoch):  # resume mid-epoch: skip what was consumed
             next(it, None)
         while True:
@@ -150,8 +175,9 @@ def _micro_batches(shard, tc, pos: Position, manifest: Manifest, device):
 
 def _micro_step(engine, batch: dict, tc, gen: torch.Generator, world: int) -> dict:
     """Forward + backward of one micro-batch; returns its summed statistics (weights "w", "loss")."""
-    loss_sum, w_sum, stats = drafter_loss(engine.module, batch, tc.gamma, tc.anchors_per_seq,
-                                          LossWeights.from_config(tc), gen)
+    loss_sum, w_sum, stats = drafter_loss(
+        engine.module, batch, tc.gamma, tc.anchors_per_seq, LossWeights.from_config(tc), gen
+    )
     w_all = w_sum.detach().clone()
     if world > 1:
         dist.all_reduce(w_all)
@@ -170,7 +196,7 @@ def _reduce(acc: dict, world: int) -> dict:
     out, i = {}, 0
     for k in keys:
         n = torch.as_tensor(acc[k]).numel()
-        out[k] = flat[i:i + n] if n > 1 or k.endswith("_k") else flat[i]
+        out[k] = flat[i : i + n] if n > 1 or k.endswith("_k") else flat[i]
         i += n
     w = float(out.pop("w"))
     m = summarize(out, w)
@@ -185,8 +211,10 @@ def _checkpoint(engine, pos: Position, metrics: dict, run: tracking.RunClient | 
     with tempfile.TemporaryDirectory() as d:
         engine.save_checkpoint(d, tag="ckpt")
         (Path(d) / CLIENT_STATE).write_text(json.dumps(asdict(pos)))
-        ray.train.report({k: v for k, v in metrics.items() if isinstance(v, (int, float))},
-                         checkpoint=ray.train.Checkpoint.from_directory(d))
+        ray.train.report(
+            {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+            checkpoint=ray.train.Checkpoint.from_directory(d),
+        )
     if run:
         ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
         run.log_new(pos.pending)
@@ -227,8 +255,11 @@ def train_loop_per_worker(config: dict) -> None:
     engine, scheduler = _engine(cfg, drafter, world, cuda, total)
     pos = _resume(engine)
     if rank == 0 and pos.step:
-        print(f"[train] resumed from the checkpoint of step {pos.step} (epoch {pos.epoch}, "
-              f"micro-batch {pos.micro_in_epoch})", flush=True)
+        print(
+            f"[train] resumed from the checkpoint of step {pos.step} (epoch {pos.epoch}, "
+            f"micro-batch {pos.micro_in_epoch})",
+            flush=True,
+        )
     run = tracking.RunClient(cfg, config["mlflow_run_id"]) if rank == 0 and config["mlflow_run_id"] else None
     if run and pos.step == 0:
         run.params({**cfg.flat(), "world_size": world, "total_steps": total, "cache.rows": manifest.rows})
@@ -243,7 +274,9 @@ def train_loop_per_worker(config: dict) -> None:
         batch, waited = next(batches)
         wait += waited
         # anchors seeded by (seed, rank, step, micro-step): a resumed run draws what it would have
-        gen = torch.Generator().manual_seed(tc.seed * 1_000_003 + rank * 10_007 + pos.step * gas + pos.micro_in_epoch % gas)
+        gen = torch.Generator().manual_seed(
+            tc.seed * 1_000_003 + rank * 10_007 + pos.step * gas + pos.micro_in_epoch % gas
+        )
         stats = _micro_step(engine, batch, tc, gen, world)
         pos.micro_in_epoch += 1
         acc = stats if acc is None else {k: acc[k] + v for k, v in stats.items()}
@@ -251,10 +284,18 @@ def train_loop_per_worker(config: dict) -> None:
             continue
         pos.step += 1
         metrics, dt = _reduce(acc, world), time.perf_counter() - t_step
-        metrics.update({"lr": scheduler.get_last_lr()[0], "grad_norm": float(engine.get_global_grad_norm() or 0.0),
-                        "tokens_per_s": metrics.pop("tokens") / dt, "data_wait_frac": wait / dt, "step_s": dt,
-                        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                        "step": pos.step, "epoch": pos.epoch})
+        metrics.update(
+            {
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": float(engine.get_global_grad_norm() or 0.0),
+                "tokens_per_s": metrics.pop("tokens") / dt,
+                "data_wait_frac": wait / dt,
+                "step_s": dt,
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "step": pos.step,
+                "epoch": pos.epoch,
+            }
+        )
         acc, wait, t_step = None, 0.0, time.perf_counter()
         pos.pending.append(metrics)
         if pos.step % tc.checkpoint_every == 0 or pos.step == total:
