@@ -93,11 +93,8 @@ def stage_train(cfg: Config, storage, tracker) -> dict:
 
     init_ray(cfg)
     res = distributed.fit(cfg)
+    print(distributed.summary(res))
     m = res["metrics"] or {}
-    print(
-        f"[train] {res['name']}: {res['steps']} steps, loss {m.get('loss', float('nan')):.3f}, expected tau "
-        f"{m.get('expected_tau', float('nan')):.2f}, drafter at {res['out_uri']} (MLflow run {res['run_id']})"
-    )
     return {
         "out_uri": res["out_uri"],
         "run_id": res["run_id"],

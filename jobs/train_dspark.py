@@ -48,11 +48,7 @@ def main(argv=None):
         )
         build_cache(cfg)
     res = distributed.fit(cfg)
-    m = res["metrics"] or {}
-    print(
-        f"[train] {res['name']}: {res['steps']} steps, final loss {m.get('loss', float('nan')):.4f}, expected tau "
-        f"{m.get('expected_tau', float('nan')):.3f}; drafter exported to {res['out_uri']}; MLflow run {res['run_id']}"
-    )
+    print(distributed.summary(res))
     if cfg.train.evaluate:
         evaluate_into_run(cfg, storage, res)
 

@@ -44,12 +44,12 @@ def _cfg(cfg_json: str):
     return Config.model_validate_json(cfg_json)
 
 
-@serve.deployment(
-    num_replicas=1,
-    max_ongoing_requests=1000,
-    ray_actor_options={"num_cpus": 0},
-    logging_config={"enable_access_log": False},
-)
+# The calibration actor and the engine: one replica each (serve.num_replicas scales the engine at
+# build), requests queue in the engine rather than in Serve, no access log per request.
+ONE_REPLICA = dict(num_replicas=1, max_ongoing_requests=1000, logging_config={"enable_access_log": False})
+
+
+@serve.deployment(**ONE_REPLICA, ray_actor_options={"num_cpus": 0})
 class CalibrationActor:
     """Named per model pair (deployment `calibration-<model>`): aggregates per-position acceptance
     outcomes from every engine replica, refits the STS calibration, hands it back to the engines.
@@ -128,12 +128,7 @@ class EngineMetrics:
                     self.accepted.inc(tags={"position": str(k)})
 
 
-@serve.deployment(
-    num_replicas=1,
-    max_ongoing_requests=1000,
-    ray_actor_options={"num_cpus": 1},
-    logging_config={"enable_access_log": False},
-)
+@serve.deployment(**ONE_REPLICA, ray_actor_options={"num_cpus": 1})
 class SpeculativeEngine:
     def __init__(self, cfg_json: str, calibration=None):
         import torch

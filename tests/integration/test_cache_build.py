@@ -15,7 +15,9 @@ import psutil
 import pyarrow.fs as pafs
 import pytest
 import torch
+import transformers
 from conftest import SMALL_CACHE, wait_for
+from tiny_models import TINY
 
 from dspark import target as targets
 from dspark.cache.build import build_cache, cache_uri
@@ -193,19 +195,11 @@ CHATML = (
 def tiny_llama(tmp_path_factory):
     """A tiny random Llama target folder with the built-in tokenizer, a chat template unlike the built-in
     format (no BOS, newlines) and no pad token of its own (so pad is its EOS, as for SmolLM2)."""
-    import transformers
-
     folder = tmp_path_factory.mktemp("tiny_llama")
     tok = targets.tokenizer_for("builtin")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+        **{**TINY, "num_hidden_layers": 4, "max_position_embeddings": 512, "vocab_size": len(tok)},
         eos_token_id=tok.eos_token_id,
         bos_token_id=None,
         pad_token_id=None,
@@ -246,7 +240,7 @@ def test_jsonl_conversations_from_s3_on_a_tiny_llama(ray_driver, tiny_llama):
         "cache.layers=[1,3]",
     )
     m = build_cache(cfg)
-    assert m.rows == 4 and len(m.shards) == 2 and m.layers == [1, 3] and m.hidden_size == 32
+    assert m.rows == 4 and len(m.shards) == 2 and m.layers == [1, 3] and m.hidden_size == TINY["hidden_size"]
     tok = targets.tokenizer_from_config(cfg.target)
     eos = tok.eos_token_id
     assert tok.pad_token_id == eos

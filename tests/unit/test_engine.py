@@ -2,14 +2,15 @@
 each still gets exactly the target's greedy output; bounded queue; cancellation; stop strings."""
 
 import pytest
-import torch
+from tiny_models import untrained_drafter
 
 from dspark import target as targets
+from dspark.calibration.sts import Calibration
 from dspark.decoding.engine import Engine, Overloaded
 from dspark.decoding.events import Done, Error, Text
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder
-from dspark.models import DrafterConfig, build_drafter
+from dspark.errors import UserError
 from dspark.scheduling.sps import SPSTable
 
 
@@ -20,11 +21,18 @@ def tgt():
 
 @pytest.fixture(scope="module")
 def drafter(tgt):
-    torch.manual_seed(0)
-    c = DrafterConfig.from_target(
-        tgt.config, "dspark", [1, 2, 3], tgt.tokenizer.mask_token_id, num_layers=1, gamma=4, markov_rank=32
+    return untrained_drafter(tgt, "dspark", 4)
+
+
+def engine(tgt, drafter, **settings):
+    """An engine over the built-in target with gamma 4, the greedy policy and a smooth SPS curve
+    unless `settings` say otherwise."""
+    return Engine(
+        tgt.model,
+        tgt.tokenizer,
+        drafter,
+        **{"gamma": 4, "policy": "greedy", "sps": SPSTable.synthetic("smooth"), **settings},
     )
-    return build_drafter(c, tgt.model).eval()
 
 
 def collect(stream):
@@ -42,17 +50,8 @@ def ids_of(tgt, prompt):
 @pytest.mark.parametrize("policy", ["greedy", "async", "static", "threshold", "none"])
 def test_concurrent_requests_get_exact_greedy_outputs(tgt, drafter, policy):
     prompts = [f"def g{i}(a):\n" for i in range(7)]
-    eng = Engine(
-        tgt.model,
-        tgt.tokenizer,
-        drafter,
-        gamma=4,
-        policy=policy,
-        sps=SPSTable.synthetic("smooth"),
-        max_batch=3,
-        max_queue=16,
-        idle_probe=2,
-    )  # rounds that verify nothing make the next two skip the drafter
+    # idle_probe=2: rounds that verify nothing make the next two skip the drafter
+    eng = engine(tgt, drafter, policy=policy, max_batch=3, max_queue=16, idle_probe=2)
     try:
         streams = [eng.submit(ids_of(tgt, p), SamplingParams(0.0), 16, 0) for p in prompts]  # 7 requests, 3 slots
         outs = [collect(s) for s in streams]
@@ -69,16 +68,7 @@ def test_concurrent_requests_get_exact_greedy_outputs(tgt, drafter, policy):
 
 
 def test_queue_bound_cancel_and_stop(tgt, drafter):
-    eng = Engine(
-        tgt.model,
-        tgt.tokenizer,
-        drafter,
-        gamma=4,
-        policy="greedy",
-        sps=SPSTable.synthetic("smooth"),
-        max_batch=1,
-        max_queue=2,
-    )
+    eng = engine(tgt, drafter, max_batch=1, max_queue=2)
     try:
         with pytest.raises(ValueError, match="context limit"):
             eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 10_000, 0)
@@ -108,16 +98,7 @@ def drain(stream, timeout=120):
 
 
 def test_cancelling_a_queued_request_ends_its_stream(tgt, drafter):
-    eng = Engine(
-        tgt.model,
-        tgt.tokenizer,
-        drafter,
-        gamma=4,
-        policy="greedy",
-        sps=SPSTable.synthetic("smooth"),
-        max_batch=1,
-        max_queue=4,
-    )
+    eng = engine(tgt, drafter, max_batch=1, max_queue=4)
     woken = []
     try:
         busy = eng.submit(ids_of(tgt, "a = "), SamplingParams(1.0), 1500, 0)
@@ -141,16 +122,7 @@ def text_of(events):
 def test_tiny_temperature_requests_never_leak_slots(tgt, drafter):
     """temperature=1e-40 once gave NaN at prefill and leaked the slot: after max_batch of them nothing
     was admitted again."""
-    eng = Engine(
-        tgt.model,
-        tgt.tokenizer,
-        drafter,
-        gamma=4,
-        policy="greedy",
-        sps=SPSTable.synthetic("smooth"),
-        max_batch=2,
-        max_queue=8,
-    )
+    eng = engine(tgt, drafter, max_batch=2, max_queue=8)
     try:
         streams = [eng.submit(ids_of(tgt, f"x{i} = "), SamplingParams(1e-40), 6) for i in range(5)]
         runs = [drain(s) for s in streams]
@@ -167,16 +139,7 @@ def test_seed_pins_the_output_and_no_seed_varies_it(tgt, drafter):
     (the engine's schedule changes between the two); requests without a seed are not all seed 0."""
     from dspark.calibration.sts import Calibration
 
-    eng = Engine(
-        tgt.model,
-        tgt.tokenizer,
-        drafter,
-        gamma=4,
-        policy="greedy",
-        sps=SPSTable.synthetic("smooth"),
-        max_batch=3,
-        max_queue=16,
-    )
+    eng = engine(tgt, drafter, max_batch=3, max_queue=16)
     try:
         first = drain(eng.submit(ids_of(tgt, "def f(x):"), SamplingParams(1.0), 24, 3))
         eng.set_calibration(Calibration([1.0] * 4, [-8.0] * 4))  # almost no draft is verified from now on
@@ -193,14 +156,11 @@ def test_seed_pins_the_output_and_no_seed_varies_it(tgt, drafter):
 
 
 def test_wrong_length_calibration_is_refused_up_front(tgt, drafter):
-    from dspark.calibration.sts import Calibration
-    from dspark.errors import UserError
-
     with pytest.raises(UserError, match="calibration has 2 positions but gamma=4"):
         Engine(
             tgt.model, tgt.tokenizer, drafter, gamma=4, policy="greedy", calibration=Calibration([1.0, 1.0], [0.0, 0.0])
         )
-    eng = Engine(tgt.model, tgt.tokenizer, drafter, gamma=4, policy="greedy", max_batch=1)
+    eng = engine(tgt, drafter, max_batch=1)
     try:
         with pytest.raises(UserError):
             eng.set_calibration(Calibration([1.0, 1.0], [0.0, 0.0]))
@@ -210,7 +170,7 @@ def test_wrong_length_calibration_is_refused_up_front(tgt, drafter):
 
 
 def test_errors_are_events_with_an_http_status(tgt, drafter):
-    eng = Engine(tgt.model, tgt.tokenizer, drafter, gamma=4, policy="greedy", max_batch=2, max_len=64)
+    eng = engine(tgt, drafter, max_batch=2, max_len=64)
     try:
         with pytest.raises(ValueError, match="context limit of 64"):
             eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 100)

@@ -7,9 +7,9 @@ drafter family the logits (and confidence logits) of both paths must agree.
 
 import pytest
 import torch
+from tiny_models import untrained_drafter
 
 from dspark import target as targets
-from dspark.models import DrafterConfig, build_drafter
 from dspark.models.drafter import DraftState
 from dspark.train.loss import LossWeights, drafter_loss
 
@@ -23,18 +23,7 @@ def tgt():
 
 
 def _drafter(tgt, kind, markov):
-    torch.manual_seed(0)
-    c = DrafterConfig.from_target(
-        tgt.config,
-        kind,
-        [1, 2, 3],
-        tgt.tokenizer.mask_token_id,
-        num_layers=2,
-        gamma=GAMMA,
-        markov=markov,
-        markov_rank=32,
-    )
-    d = build_drafter(c, tgt.model).eval()
+    d = untrained_drafter(tgt, kind, GAMMA, num_layers=2, markov=markov)
     with torch.no_grad():  # random, non-trivial Markov and confidence heads (some start at zero)
         for p in d.parameters():
             if p.requires_grad and p.abs().sum() == 0:

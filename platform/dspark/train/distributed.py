@@ -36,6 +36,15 @@ def total_steps(cfg: Config, rows: int) -> int:
     return tc.max_steps or per_epoch * tc.epochs
 
 
+def summary(res: dict) -> str:
+    """The line a job prints about a finished run of fit()."""
+    m, nan = res["metrics"] or {}, float("nan")
+    return (
+        f"[train] {res['name']}: {res['steps']} steps, final loss {m.get('loss', nan):.4f}, expected tau "
+        f"{m.get('expected_tau', nan):.3f}; drafter at {res['out_uri']} (MLflow run {res['run_id']})"
+    )
+
+
 def fit(cfg: Config, log=print, in_memory: bool = False) -> dict:
     """Driver side: resolve the cache, create/resume the MLflow run, run the TorchTrainer.
     in_memory materialises the dataset first (a baseline for the data-wait fraction of streaming)."""

@@ -1,9 +1,12 @@
 """Tiny random HF decoder-only models of every family the decoding runner supports, for tests that
 need a target's forward but not its quality: the runner-equals-HF tests, and the exactness tests of
-speculative sampling (exact for any target weights), where 10,000 requests then cost seconds."""
+speculative sampling (exact for any target weights), where 10,000 requests then cost seconds. And
+untrained drafters: exactness never depends on the drafter's quality."""
 
 import torch
 import transformers
+
+from dspark.models import DrafterConfig, build_drafter
 
 TINY = dict(
     vocab_size=96,
@@ -42,3 +45,20 @@ def tiny_model(family: str):
     for p in model.parameters():  # norms start at exactly 1 (or 0 for Gemma's 1 + w): perturb them too
         p.data.add_(0.1 * torch.randn_like(p))
     return model.eval().requires_grad_(False)
+
+
+def untrained_drafter(tgt, kind: str, gamma: int, num_layers: int = 1, markov: str = "vanilla", markov_rank: int = 32):
+    """A freshly initialised drafter of `kind` (seed 0, taps [1, 2, 3]) for the loaded target `tgt`, eval mode;
+    `markov` applies to DSpark only."""
+    torch.manual_seed(0)
+    c = DrafterConfig.from_target(
+        tgt.config,
+        kind,
+        [1, 2, 3],
+        tgt.mask_token_id,
+        num_layers=num_layers,
+        gamma=gamma,
+        markov=markov if kind == "dspark" else "none",
+        markov_rank=markov_rank,
+    )
+    return build_drafter(c, tgt.model).eval()
