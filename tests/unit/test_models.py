@@ -91,3 +91,19 @@ def test_a_few_steps_on_one_batch_lower_the_loss(tgt, kind, markov):
         opt.step()
         losses.append(float(loss.detach() / w))
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_draft_state_appends_into_buffers_that_double():
+    g = torch.Generator().manual_seed(0)
+    state, chunks = DraftState(), []
+    for n in [5, 1, 3, 60, 2, 200, 7]:  # a prompt, then rounds of committed tokens
+        kv = [(torch.randn(2, n, 8, generator=g), torch.randn(2, n, 8, generator=g)) for _ in range(3)]
+        buffers = [k.data_ptr() for k, _ in state.buffers]
+        state.append(kv, n)
+        chunks.append(kv)
+        grew = buffers != [k.data_ptr() for k, _ in state.buffers]
+        assert grew == (n in (5, 60, 200, 7))  # a copy only when full: capacity 64, 128, 271, 542
+    assert state.length == 278 and state.buffers[0][0].shape[1] == 542
+    for layer, (k, v) in enumerate(state.kv):
+        assert torch.equal(k, torch.cat([c[layer][0] for c in chunks], 1))
+        assert torch.equal(v, torch.cat([c[layer][1] for c in chunks], 1))

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from dspark.calibration.sts import Calibration
+from dspark.decoding.detok import Detokenizer
 from dspark.decoding.events import Done, Error, Event, Text
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder
@@ -45,7 +46,7 @@ class Stream:
 
     req: Request
     stop: list[str]
-    detok: Callable[[list[int]], str]
+    detok: Detokenizer
     events: "queue.Queue" = field(default_factory=queue.Queue)
     id: str = ""
     sent_text: str = ""
@@ -162,9 +163,7 @@ class Engine:
                 self.stop_ids,
                 reproducible=seed is not None,
             )
-            s = Stream(
-                req, stop or [], lambda ids: self.tok.decode(ids, skip_special_tokens=True), id=f"cmpl-{next(self.ids)}"
-            )
+            s = Stream(req, stop or [], Detokenizer(self.tok), id=f"cmpl-{next(self.ids)}")
             self.waiting.append(s)
         self.wake.set()
         return s
@@ -250,8 +249,8 @@ class Engine:
 
     def _emit(self, s: Stream) -> None:
         out = s.req.out
-        text = s.detok(out)
-        stopped = next((text.index(x) for x in s.stop if x and x in text), None)
+        text = s.detok.final(out) if s.req.done else s.detok.update(out)
+        stopped = min((i for i in (text.find(x) for x in s.stop if x) if i >= 0), default=None)  # the earliest stop
         if stopped is not None:
             text = text[:stopped]
             s.finish_reason = "stop"

@@ -29,19 +29,38 @@ class Proposal:
 
 @dataclass
 class DraftState:
-    """Per-request drafter cache: per draft layer (k, v) of shape (KVH, C, hd) over committed positions."""
+    """Per-request drafter cache: per draft layer (k, v) buffers of shape (KVH, capacity, hd) whose first
+    `length` positions are the committed context. The capacity doubles when full, so committing L
+    tokens copies O(L) in all (concatenating the whole cache every round copied O(L^2))."""
 
-    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    buffers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     length: int = 0  # committed context positions 0 .. length-1
     extra: dict = field(default_factory=dict)  # drafter-specific (e.g. EAGLE-3's last hidden state)
 
+    @property
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) views of shape (KVH, length, hd)."""
+        return [(k[:, : self.length], v[:, : self.length]) for k, v in self.buffers]
+
     def append(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
         """layer_kv: per layer (k, v) of shape (KVH, n, hd) for the new positions."""
-        if not self.kv:
-            self.kv = [(k.clone(), v.clone()) for k, v in layer_kv]
-        else:
-            self.kv = [(torch.cat([k0, k], 1), torch.cat([v0, v], 1)) for (k0, v0), (k, v) in zip(self.kv, layer_kv)]
-        self.length += n
+        end = self.length + n
+        capacity = self.buffers[0][0].shape[1] if self.buffers else 0
+        if end > capacity:
+            capacity = max(end, 2 * capacity, 64)
+            old = self.buffers or layer_kv  # the first append: only the shapes and dtype matter
+            self.buffers = [(_grown(k, self.length, capacity), _grown(v, self.length, capacity)) for k, v in old]
+        for (kb, vb), (k, v) in zip(self.buffers, layer_kv):
+            kb[:, self.length : end] = k
+            vb[:, self.length : end] = v
+        self.length = end
+
+
+def _grown(t: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
+    """A (KVH, capacity, hd) buffer holding the first `length` positions of t (KVH, *, hd)."""
+    out = t.new_empty(t.shape[0], capacity, t.shape[2])
+    out[:, :length] = t[:, :length]
+    return out
 
 
 def pad_states(states: list[DraftState], n_layers: int):
