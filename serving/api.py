@@ -131,6 +131,7 @@ def completion_body(rid: str, model: str, text: str, done: dict, chat: bool) -> 
         "choices": [choice],
         "usage": usage,
         "speculative": done["speculative"],
+        "timing": done["timing"],
     }
 
 

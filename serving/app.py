@@ -110,6 +110,18 @@ class EngineMetrics:
         self.latency = Histogram(
             "dspark_round_seconds", "round latency", boundaries=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1]
         )
+        self.drafted = Counter("dspark_drafted_rounds", "rounds in which the drafter ran (the rest skipped it)")
+        self.tokens = Counter("dspark_generation_tokens", "output tokens of finished requests")
+        self.ttft = Histogram(
+            "dspark_time_to_first_token_seconds",
+            "submission to first streamed text",
+            boundaries=[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30],
+        )
+        self.itl = Histogram(
+            "dspark_inter_token_latency_seconds",
+            "per request: mean time between output tokens after the first",
+            boundaries=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1],
+        )
 
     def round(self, rounds, batch: int, waiting: int, seconds: float) -> None:
         self.rounds.inc()
@@ -118,6 +130,8 @@ class EngineMetrics:
         self.latency.observe(seconds)
         if rounds:
             self.budget.set(sum(r.verified for r in rounds) / len(rounds))
+            if any(r.drafted for r in rounds):
+                self.drafted.inc()
         for r in rounds:
             if r.verified:
                 self.drafts.inc()
@@ -126,6 +140,14 @@ class EngineMetrics:
                 self.verified.inc(tags={"position": str(k)})
                 if r.accepted >= k:
                     self.accepted.inc(tags={"position": str(k)})
+
+    def request(self, tokens: int, ttft_s: float | None, itl_s: float | None) -> None:
+        if tokens:  # a Prometheus counter only takes increments > 0
+            self.tokens.inc(tokens)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if itl_s is not None:
+            self.itl.observe(itl_s)
 
 
 @serve.deployment(**ONE_REPLICA, ray_actor_options={"num_cpus": 1})
@@ -377,6 +399,7 @@ async def _sse(ev: Event, events: AsyncIterator[Event], gen, rid: str, model: st
             {
                 **chunk_body(rid, model, "", info["finish_reason"], chat),
                 "speculative": info["speculative"],
+                "timing": info["timing"],
                 "usage": usage_body(info),
             }
         )

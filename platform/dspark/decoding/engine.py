@@ -52,6 +52,7 @@ class Stream:
     sent_text: str = ""
     sent_tokens: int = 0
     submitted: float = field(default_factory=time.perf_counter)
+    first_token: Optional[float] = None  # when the first text went out
     finish_reason: Optional[str] = None
     notify: Optional[Callable[[], None]] = None  # called after every event (from the engine thread)
 
@@ -63,6 +64,14 @@ class Stream:
     def fail(self, message: str, status: int) -> None:
         self.finish_reason = "error"
         self.put(Error(message, status))
+
+    def timing(self) -> dict:
+        """Seconds from submission to the first text (TTFT; None when no text went out) and the mean
+        time between the output tokens after the first (inter-token latency; None below 2 tokens)."""
+        now, n = time.perf_counter(), len(self.req.out)
+        ttft = None if self.first_token is None else self.first_token - self.submitted
+        itl = None if self.first_token is None or n < 2 else (now - self.first_token) / (n - 1)
+        return {"ttft_s": ttft, "itl_s": itl}
 
     def stats(self) -> dict:
         gamma = max((r.verified for r in self.req.rounds), default=0)
@@ -257,6 +266,7 @@ class Engine:
         if len(text) > len(s.sent_text) and text.startswith(s.sent_text) and not text.endswith("\ufffd"):
             s.put(Text(text[len(s.sent_text) :]))
             s.sent_text = text
+            s.first_token = s.first_token or time.perf_counter()
         s.sent_tokens = len(out)
         if s.req.done or s.finish_reason == "stop":
             if s.finish_reason is None:
@@ -270,6 +280,9 @@ class Engine:
 
     def _finish(self, s: Stream) -> None:
         self.streams.pop(id(s.req), None)
+        timing = s.timing()
+        if self.metrics:
+            self.metrics.request(len(s.req.out), **timing)
         s.put(
             Done(
                 {
@@ -277,6 +290,7 @@ class Engine:
                     "completion_tokens": len(s.req.out),
                     "prompt_tokens": len(s.req.prompt),
                     "speculative": s.stats(),
+                    "timing": timing,
                 }
             )
         )

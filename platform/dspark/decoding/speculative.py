@@ -47,6 +47,7 @@ class RoundRecord:
     accepted: int  # n (drafts only; the emitted token makes tau = n + 1)
     conf_logit: Optional[list[float]] = None  # raw confidence-head logits of this round's drafts
     survival: Optional[list[float]] = None  # the calibrated prefix survival the scheduler used
+    drafted: bool = False  # the drafter ran this round (False: skipped, e.g. after idle rounds)
 
 
 @dataclass
@@ -243,7 +244,7 @@ class SpeculativeDecoder:
         committed = []
         for i, (r, n) in enumerate(zip(reqs, n_acc)):
             r.verify_s += dt
-            r.rounds.append(RoundRecord(lengths[i], n, conf_rows[i], surv_rows[i]))
+            r.rounds.append(RoundRecord(lengths[i], n, conf_rows[i], surv_rows[i], prop is not None))
             self.runner.truncate(r.slot, starts[i] + 1 + n)  # keep x_0 and the accepted drafts
             committed.append((r, out.taps[i][: 1 + n], draft_ids[i][:n] + [emitted[i]]))
         if self.drafter is not None:  # the drafter's context grows by x_0 and the accepted drafts
