@@ -170,6 +170,7 @@ class TrainConfig(Section):
     zero_stage: int = Field(2, ge=0, le=3)
     optimizer: Literal["torch_adamw", "deepspeed_adamw", "deepspeed_cpu_adam"] = "torch_adamw"
     bf16: bool = False  # mixed precision (CUDA)
+    log_every: int = Field(10, ge=1)  # rank 0 prints a progress line every this many optimizer steps
     checkpoint_every: int = Field(50, ge=1)  # optimizer steps
     keep_checkpoints: int = Field(2, ge=1)
     max_failures: int = Field(2, ge=-1)

@@ -234,6 +234,17 @@ def _export(engine, tc, rank: int, config: dict, run: tracking.RunClient | None)
                     run.artifacts(d, "drafter")
 
 
+def progress(metrics: dict, total: int, eta_s: float) -> str:
+    """Rank 0's line every train.log_every steps: step, loss, the expected tau of the step's drafts,
+    tokens/s, the share of the step spent waiting for data, and the time left at this pace."""
+    m, nan = metrics, float("nan")
+    return (
+        f"[train] step {m['step']}/{total} | loss {m.get('loss', nan):.4f} | expected tau "
+        f"{m.get('expected_tau', nan):.3f} | {m['tokens_per_s']:.0f} tokens/s | data wait "
+        f"{100 * m['data_wait_frac']:.0f}% | ETA {eta_s / 60:.1f} min"
+    )
+
+
 def train_loop_per_worker(config: dict) -> None:
     cfg = Config.model_validate_json(config["cfg"])
     tc, total = cfg.train, config["total_steps"]
@@ -269,6 +280,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     gas = engine.gradient_accumulation_steps()
     acc, wait, t_step = None, 0.0, time.perf_counter()
+    t_start, start_step = t_step, pos.step  # this attempt's pace gives the ETA
     batches = _micro_batches(ray.train.get_dataset_shard("train"), tc, pos, manifest, device)
     while pos.step < total:
         batch, waited = next(batches)
@@ -298,6 +310,9 @@ def train_loop_per_worker(config: dict) -> None:
         )
         acc, wait, t_step = None, 0.0, time.perf_counter()
         pos.pending.append(metrics)
+        if rank == 0 and (pos.step % tc.log_every == 0 or pos.step == total):
+            pace = (time.perf_counter() - t_start) / (pos.step - start_step)
+            print(progress(metrics, total, pace * (total - pos.step)), flush=True)
         if pos.step % tc.checkpoint_every == 0 or pos.step == total:
             _checkpoint(engine, pos, metrics, run)
     _export(engine, tc, rank, config, run)
