@@ -181,7 +181,10 @@ def pick(rng: random.Random, good: list, p_bad: float = 0.08):
 def random_fields(rng: random.Random, chat: bool, model: str = MODEL) -> dict:
     body: dict = {}
     if chat:
-        msg = {"role": pick(rng, ["user", "system", "assistant"], 0.1), "content": pick(rng, TEXTS[:6], 0.1)}
+        msg = {
+            "role": pick(rng, ["user", "system", "developer", "assistant"], 0.1),
+            "content": pick(rng, TEXTS[:6], 0.1),
+        }
         body["messages"] = pick(rng, [[msg], [msg, {"role": "user", "content": "x"}]], 0.1)
     else:
         body["prompt"] = pick(rng, TEXTS, 0.1)

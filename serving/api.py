@@ -31,7 +31,7 @@ UNSUPPORTED: dict[str, tuple] = {  # field -> the values that mean "off"
     "reasoning_effort": (None,),
     "web_search_options": (None,),
 }
-METADATA = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options")
+METADATA = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 
 
 def _off(value: Any, neutral: tuple) -> bool:
@@ -51,6 +51,12 @@ def _encodable(v: str) -> str:
 Text = Annotated[str, AfterValidator(_encodable)]
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False  # one more chunk before [DONE]: no choices, the request's usage
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")  # unknown fields are a 400 naming them
 
@@ -62,6 +68,7 @@ class _Sampling(BaseModel):
     seed: Optional[int] = Field(None, ge=0, lt=2**63)  # None: the engine picks a random seed
     stop: Optional[Union[Text, list[Text]]] = None
     stream: bool = False
+    stream_options: Optional[StreamOptions] = None
     n: int = Field(1, ge=1, le=1)
 
     @model_validator(mode="before")
@@ -95,9 +102,24 @@ class CompletionRequest(_Sampling):
     prompt: Text = Field(min_length=1)
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: Text
+
+
 class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: Text
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[Text, list[TextPart]]  # a string, or text parts (joined by newlines)
+
+    def for_template(self) -> dict:
+        """The message as chat templates know it: the developer role is the system role, and text
+        parts are one string."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
 class ChatRequest(_Sampling):

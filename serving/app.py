@@ -381,9 +381,13 @@ def _data(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _sse(ev: Event, events: AsyncIterator[Event], gen, rid: str, model: str, chat: bool) -> AsyncIterator[str]:
-    """Server-sent events: chunks, a last chunk with usage, then [DONE]. An error after the stream has
-    started is sent as an OpenAI-style error event that ends it: never [DONE] after a cut-short answer."""
+async def _sse(
+    ev: Event, events: AsyncIterator[Event], gen, rid: str, model: str, chat: bool, usage_chunk: bool = False
+) -> AsyncIterator[str]:
+    """Server-sent events: chunks, a last chunk with the finish reason and usage, with `usage_chunk`
+    (stream_options.include_usage) one more chunk with no choices and the usage, then [DONE]. An error
+    after the stream has started is sent as an OpenAI-style error event that ends it: never [DONE]
+    after a cut-short answer."""
     try:
         if chat:
             role = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
@@ -403,6 +407,8 @@ async def _sse(ev: Event, events: AsyncIterator[Event], gen, rid: str, model: st
                 "usage": usage_body(info),
             }
         )
+        if usage_chunk:
+            yield _data({**chunk_body(rid, model, "", None, chat), "choices": [], "usage": usage_body(info)})
         yield "data: [DONE]\n\n"
     finally:
         gen.cancel()  # a disconnected client cancels the engine-side stream, which frees the slot
@@ -452,7 +458,7 @@ class Ingress:
             "stop": body.stops(),
             "max_tokens": body.limit() or self.sc.max_tokens_default,
         }
-        params.update({"messages": [m.model_dump() for m in body.messages]} if chat else {"prompt": body.prompt})
+        params.update({"messages": [m.for_template() for m in body.messages]} if chat else {"prompt": body.prompt})
         gen = self.engine.options(stream=True).generate.remote(params)
         events, rid, model = _events(gen), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.sc.model_name
         streaming = False
@@ -462,7 +468,10 @@ class Ingress:
                 return _error(first.status, first.message)
             if body.stream:
                 streaming = True  # the stream owns the engine call from here
-                return StreamingResponse(_sse(first, events, gen, rid, model, chat), media_type="text/event-stream")
+                usage_chunk = bool(body.stream_options and body.stream_options.include_usage)
+                return StreamingResponse(
+                    _sse(first, events, gen, rid, model, chat, usage_chunk), media_type="text/event-stream"
+                )
             text, last = await _collect(first, events)
             if isinstance(last, Error):
                 return _error(last.status, last.message)

@@ -184,7 +184,8 @@ def test_two_workers_zero2_from_s3_survive_a_killed_worker(ray_head, reference, 
     resumed = [int(s) for s in re.findall(r"\[train\] resumed from the checkpoint of step (\d+)", logs)]
     assert resumed and committed <= resumed[0] <= STEPS and resumed[0] % EVERY == 0, (committed, logs[-4000:])
     progress = {int(s) for s in re.findall(rf"\[train\] step (\d+)/{STEPS} \| loss [\d.]+ \| expected tau", logs)}
-    assert {min(resumed[0] + EVERY, STEPS), STEPS} <= progress, logs[-4000:]  # rank 0's progress lines reach the job's log
+    # rank 0's progress lines reach the job's log
+    assert {min(resumed[0] + EVERY, STEPS), STEPS} <= progress, logs[-4000:]
     _, hist = _history(mlflow_db, "killed")
     assert sorted(m.step for m in hist) == list(range(1, STEPS + 1))  # no lost or repeated steps
     final = {m.step: m.value for m in reference["hist"]}[STEPS]

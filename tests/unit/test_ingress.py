@@ -15,7 +15,15 @@ from dspark.decoding.events import Done, Error, Text
 from serving import app as serving
 
 KEY = "k-123"
-DONE = Done({"finish_reason": "length", "completion_tokens": 2, "prompt_tokens": 3, "speculative": {"rounds": 1}})
+DONE = Done(
+    {
+        "finish_reason": "length",
+        "completion_tokens": 2,
+        "prompt_tokens": 3,
+        "speculative": {"rounds": 1},
+        "timing": {"ttft_s": 0.1, "itl_s": 0.02},
+    }
+)
 
 
 class Call:
@@ -125,6 +133,41 @@ def test_stream_that_completes_ends_with_usage_and_done(monkeypatch):
     assert data[-1] == "[DONE]" and json.loads(data[-2])["usage"]["total_tokens"] == 5
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_include_usage_adds_a_chunk_without_choices_before_done(monkeypatch, chat):
+    engine = Engine(Text("ab"), DONE)
+    route, body = (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+        if chat
+        else (
+            "/v1/completions",
+            {"prompt": "x"},
+        )
+    )
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with client(monkeypatch, engine).stream("POST", route, json=body) as r:
+        data = sse(r)
+    finish, usage = json.loads(data[-3]), json.loads(data[-2])
+    assert data[-1] == "[DONE]" and finish["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5 and usage["id"] == finish["id"]
+
+
+def test_developer_role_and_text_parts_reach_the_template_as_system_and_one_string(monkeypatch):
+    engine = Engine(Text("ab"), DONE)
+    msgs = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]
+    assert client(monkeypatch, engine).post("/v1/chat/completions", json={"messages": msgs}).status_code == 200
+    assert engine.bodies[0]["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb"},
+    ]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    r = client(monkeypatch, engine).post("/v1/chat/completions", json={"messages": image})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["param"]
+
+
 def test_seed_none_passes_through_and_out_of_range_seeds_are_400(monkeypatch):
     engine = Engine(Text("ab"), DONE)
     c = client(monkeypatch, engine)
@@ -192,8 +235,8 @@ def test_unsupported_and_unknown_fields_are_400_naming_them(monkeypatch, extra, 
             "metadata": {"a": "b"},
             "store": False,
             "service_tier": "auto",
-            "stream_options": {"include_usage": True},
         },
+        {"stream_options": {"include_usage": False}},
     ],
 )
 def test_neutral_values_and_metadata_are_accepted(monkeypatch, extra):
