@@ -52,9 +52,7 @@ Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    include_usage: bool = False  # one more chunk before [DONE]: no choices, the request's usage
+    include_usage: Optional[bool] = None  # one more chunk before [DONE]: no choices, the request's usage
 
 
 class _Sampling(BaseModel):
@@ -103,15 +101,11 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
     type: Literal["text"]
     text: Text
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class Message(BaseModel):  # other fields (`name`, the nulls an SDK's own messages carry) are ignored
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[Text, list[TextPart]]  # a string, or text parts (joined by newlines)
 

@@ -110,7 +110,9 @@ class EngineMetrics:
         self.latency = Histogram(
             "dspark_round_seconds", "round latency", boundaries=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1]
         )
-        self.drafted = Counter("dspark_drafted_rounds", "rounds in which the drafter ran (the rest skipped it)")
+        self.drafted = Counter(
+            "dspark_drafted_rounds", "rounds in which the drafter proposed drafts (the rest skipped it)"
+        )
         self.tokens = Counter("dspark_generation_tokens", "output tokens of finished requests")
         self.ttft = Histogram(
             "dspark_time_to_first_token_seconds",
@@ -384,8 +386,8 @@ def _data(obj: dict) -> str:
 async def _sse(
     ev: Event, events: AsyncIterator[Event], gen, rid: str, model: str, chat: bool, usage_chunk: bool = False
 ) -> AsyncIterator[str]:
-    """Server-sent events: chunks, a last chunk with the finish reason and usage, with `usage_chunk`
-    (stream_options.include_usage) one more chunk with no choices and the usage, then [DONE]. An error
+    """Server-sent events: chunks, a last chunk with the finish reason and usage (with `usage_chunk`,
+    stream_options.include_usage, the usage moves to one more chunk with no choices), then [DONE]. An error
     after the stream has started is sent as an OpenAI-style error event that ends it: never [DONE]
     after a cut-short answer."""
     try:
@@ -404,7 +406,7 @@ async def _sse(
                 **chunk_body(rid, model, "", info["finish_reason"], chat),
                 "speculative": info["speculative"],
                 "timing": info["timing"],
-                "usage": usage_body(info),
+                "usage": None if usage_chunk else usage_body(info),  # with the usage chunk: only there
             }
         )
         if usage_chunk:

@@ -49,7 +49,8 @@ def test_openai_client_completions_and_chat(server, tgt):
     assert r.usage.completion_tokens <= 24 and r.choices[0].finish_reason in ("stop", "length")
     spec = r.model_extra["speculative"]
     assert spec["rounds"] >= 1 and len(spec["verified_per_position"]) <= 4
-    assert r.model_extra["timing"]["ttft_s"] > 0 and r.model_extra["timing"]["itl_s"] >= 0
+    timing = r.model_extra["timing"]
+    assert timing["ttft_s"] > 0 and (timing["itl_s"] is None or timing["itl_s"] > 0)
     streamed = client.completions.create(
         model="dspark-builtin", prompt="def add(a, b):\n", max_tokens=24, temperature=0, stream=True
     )

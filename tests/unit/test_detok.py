@@ -27,3 +27,21 @@ def test_streamed_text_is_a_prefix_and_the_final_text_is_exact(tokenizer, reques
         if trial % 2:  # a text that ends on a whole character is all streamed before the end
             assert d.text == tok.decode(out, skip_special_tokens=True)
         assert d.final(out) == tok.decode(out, skip_special_tokens=True)
+
+
+class Refusing:
+    """DecodeStream raises on some byte-fallback sequences ("Invalid prefix encountered")."""
+
+    def step(self, tokenizer, ids):
+        raise Exception("Invalid prefix encountered")
+
+
+def test_a_sequence_the_stream_refuses_falls_back_to_whole_decodes():
+    tok = targets.tokenizer_for("builtin")
+    ids = tok.encode(TEXTS[0], add_special_tokens=False)
+    d = Detokenizer(tok)
+    d.update(ids[:3])
+    d.stream = Refusing()
+    for n in range(4, len(ids) + 1):
+        assert tok.decode(ids[:n], skip_special_tokens=True).startswith(d.update(ids[:n]))
+    assert d.stream is None and d.text == d.final(ids) == tok.decode(ids, skip_special_tokens=True)

@@ -64,7 +64,7 @@ def test_concurrent_requests_get_exact_greedy_outputs(tgt, drafter, policy):
         assert isinstance(done, Done) and text == tgt.tokenizer.decode(ref.out, skip_special_tokens=True)
         assert done.info["completion_tokens"] == len(ref.out)
         timing = done.info["timing"]  # what the server's TTFT and inter-token latency metrics record
-        assert 0 < timing["ttft_s"] < 120 and (timing["itl_s"] is None) == (len(ref.out) < 2)
+        assert 0 < timing["ttft_s"] < 120 and (timing["itl_s"] is None or 0 < timing["itl_s"] < 120)
         if policy == "none":
             assert sum(done.info["speculative"]["verified_per_position"]) == 0
 

@@ -148,7 +148,7 @@ def test_include_usage_adds_a_chunk_without_choices_before_done(monkeypatch, cha
     with client(monkeypatch, engine).stream("POST", route, json=body) as r:
         data = sse(r)
     finish, usage = json.loads(data[-3]), json.loads(data[-2])
-    assert data[-1] == "[DONE]" and finish["choices"][0]["finish_reason"] == "length"
+    assert data[-1] == "[DONE]" and finish["choices"][0]["finish_reason"] == "length" and finish["usage"] is None
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5 and usage["id"] == finish["id"]
 
 
@@ -156,7 +156,7 @@ def test_developer_role_and_text_parts_reach_the_template_as_system_and_one_stri
     engine = Engine(Text("ab"), DONE)
     msgs = [
         {"role": "developer", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "u"},
     ]
     assert client(monkeypatch, engine).post("/v1/chat/completions", json={"messages": msgs}).status_code == 200
     assert engine.bodies[0]["messages"] == [

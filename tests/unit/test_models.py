@@ -104,6 +104,9 @@ def test_draft_state_appends_into_buffers_that_double():
         grew = buffers != [k.data_ptr() for k, _ in state.buffers]
         assert grew == (n in (5, 60, 200, 7))  # a copy only when full: capacity 64, 128, 271, 542
     assert state.length == 278 and state.buffers[0][0].shape[1] == 542
+    empty = DraftState()
+    empty.append([(torch.zeros(2, 0, 8), torch.zeros(2, 0, 8))], 0)  # no positions yet: still a (2, 0, 8) cache
+    assert empty.kv[0][0].shape == (2, 0, 8)
     for layer, (k, v) in enumerate(state.kv):
         assert torch.equal(k, torch.cat([c[layer][0] for c in chunks], 1))
         assert torch.equal(v, torch.cat([c[layer][1] for c in chunks], 1))

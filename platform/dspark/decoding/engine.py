@@ -53,6 +53,7 @@ class Stream:
     sent_tokens: int = 0
     submitted: float = field(default_factory=time.perf_counter)
     first_token: Optional[float] = None  # when the first text went out
+    first_tokens: int = 0  # output tokens committed by then
     finish_reason: Optional[str] = None
     notify: Optional[Callable[[], None]] = None  # called after every event (from the engine thread)
 
@@ -67,10 +68,10 @@ class Stream:
 
     def timing(self) -> dict:
         """Seconds from submission to the first text (TTFT; None when no text went out) and the mean
-        time between the output tokens after the first (inter-token latency; None below 2 tokens)."""
-        now, n = time.perf_counter(), len(self.req.out)
+        time per output token committed after it (inter-token latency; None when none was)."""
+        later = len(self.req.out) - self.first_tokens
         ttft = None if self.first_token is None else self.first_token - self.submitted
-        itl = None if self.first_token is None or n < 2 else (now - self.first_token) / (n - 1)
+        itl = None if self.first_token is None or later <= 0 else (time.perf_counter() - self.first_token) / later
         return {"ttft_s": ttft, "itl_s": itl}
 
     def stats(self) -> dict:
@@ -236,7 +237,7 @@ class Engine:
                 continue
             self._observe(batch, time.perf_counter() - t0)
             for r in batch:
-                self._emit(self.streams[id(r)])
+                self._emit_or_fail(self.streams[id(r)])
 
     def _admit(self) -> None:
         dec = self.decoder
@@ -254,7 +255,17 @@ class Engine:
                 s.fail(f"prefill failed: {type(e).__name__}: {e}", 500)
                 continue
             self.streams[id(s.req)] = s
+            self._emit_or_fail(s)
+
+    def _emit_or_fail(self, s: Stream) -> None:
+        """A request whose output cannot be turned into text fails alone; the engine goes on."""
+        try:
             self._emit(s)
+        except Exception as e:
+            if not s.req.done:
+                self.decoder.cancel(s.req)
+            self.streams.pop(id(s.req), None)
+            s.fail(f"detokenization failed: {type(e).__name__}: {e}", 500)
 
     def _emit(self, s: Stream) -> None:
         out = s.req.out
@@ -264,9 +275,7 @@ class Engine:
             text = text[:stopped]
             s.finish_reason = "stop"
         if len(text) > len(s.sent_text) and text.startswith(s.sent_text) and not text.endswith("\ufffd"):
-            s.put(Text(text[len(s.sent_text) :]))
-            s.sent_text = text
-            s.first_token = s.first_token or time.perf_counter()
+            self._send(s, text)
         s.sent_tokens = len(out)
         if s.req.done or s.finish_reason == "stop":
             if s.finish_reason is None:
@@ -274,15 +283,19 @@ class Engine:
             if s.finish_reason == "stop" and not s.req.done:
                 self.decoder.cancel(s.req)
             if len(text) > len(s.sent_text):
-                s.put(Text(text[len(s.sent_text) :]))
-                s.sent_text = text
+                self._send(s, text)
             self._finish(s)
+
+    def _send(self, s: Stream, text: str) -> None:
+        """Stream what `text` adds to what was sent; the first text starts the request's token clock."""
+        s.put(Text(text[len(s.sent_text) :]))
+        s.sent_text = text
+        if s.first_token is None:
+            s.first_token, s.first_tokens = time.perf_counter(), len(s.req.out)
 
     def _finish(self, s: Stream) -> None:
         self.streams.pop(id(s.req), None)
         timing = s.timing()
-        if self.metrics:
-            self.metrics.request(len(s.req.out), **timing)
         s.put(
             Done(
                 {
@@ -294,6 +307,8 @@ class Engine:
                 }
             )
         )
+        if self.metrics:
+            self.metrics.request(len(s.req.out), **timing)
 
     def _observe(self, batch: list[Request], seconds: float) -> None:
         rounds = [r.rounds[-1] for r in batch if r.rounds]

@@ -30,8 +30,9 @@ class Proposal:
 @dataclass
 class DraftState:
     """Per-request drafter cache: per draft layer (k, v) buffers of shape (KVH, capacity, hd) whose first
-    `length` positions are the committed context. The capacity doubles when full, so committing L
-    tokens copies O(L) in all (concatenating the whole cache every round copied O(L^2))."""
+    `length` positions are the committed context. The capacity doubles when full, so appending L
+    positions copies O(L) in all (concatenating the whole cache every round copied O(L^2)); batching
+    the requests' caches for a round (pad_states) still copies each one."""
 
     buffers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     length: int = 0  # committed context positions 0 .. length-1
@@ -46,7 +47,7 @@ class DraftState:
         """layer_kv: per layer (k, v) of shape (KVH, n, hd) for the new positions."""
         end = self.length + n
         capacity = self.buffers[0][0].shape[1] if self.buffers else 0
-        if end > capacity:
+        if not self.buffers or end > capacity:
             capacity = max(end, 2 * capacity, 64)
             old = self.buffers or layer_kv  # the first append: only the shapes and dtype matter
             self.buffers = [(_grown(k, self.length, capacity), _grown(v, self.length, capacity)) for k, v in old]
