@@ -31,7 +31,6 @@ class Detokenizer:
         if self.stream is not None and new:
             try:
                 self.text += self.stream.step(self.backend, new) or ""
-                return self.text
             except Exception:
                 self.stream = None
         if self.stream is None:

@@ -50,7 +50,6 @@ class Stream:
     events: "queue.Queue" = field(default_factory=queue.Queue)
     id: str = ""
     sent_text: str = ""
-    sent_tokens: int = 0
     submitted: float = field(default_factory=time.perf_counter)
     first_token: Optional[float] = None  # when the first text went out
     first_tokens: int = 0  # output tokens committed by then
@@ -276,7 +275,6 @@ class Engine:
             s.finish_reason = "stop"
         if len(text) > len(s.sent_text) and text.startswith(s.sent_text) and not text.endswith("\ufffd"):
             self._send(s, text)
-        s.sent_tokens = len(out)
         if s.req.done or s.finish_reason == "stop":
             if s.finish_reason is None:
                 s.finish_reason = "stop" if out and out[-1] in self.stop_ids else "length"
