@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import resource
+import sys
 import tempfile
 import time
 from contextlib import nullcontext
@@ -234,6 +235,13 @@ def _export(engine, tc, rank: int, config: dict, run: tracking.RunClient | None)
                     run.artifacts(d, "drafter")
 
 
+def _say(line: str) -> None:
+    """A line on the worker's stdout, once: Ray Train patches print() in its workers to log through the
+    root logger and also echo to the redirected stdout, so printed lines reached the driver twice."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def progress(metrics: dict, total: int, eta_s: float) -> str:
     """Rank 0's line every train.log_every steps: step, loss, the expected tau of the step's drafts,
     tokens/s, the share of the step spent waiting for data, and the time left at this pace."""
@@ -266,10 +274,9 @@ def train_loop_per_worker(config: dict) -> None:
     engine, scheduler = _engine(cfg, drafter, world, cuda, total)
     pos = _resume(engine)
     if rank == 0 and pos.step:
-        print(
+        _say(
             f"[train] resumed from the checkpoint of step {pos.step} (epoch {pos.epoch}, "
-            f"micro-batch {pos.micro_in_epoch})",
-            flush=True,
+            f"micro-batch {pos.micro_in_epoch})"
         )
     run = tracking.RunClient(cfg, config["mlflow_run_id"]) if rank == 0 and config["mlflow_run_id"] else None
     if run and pos.step == 0:
@@ -312,7 +319,7 @@ def train_loop_per_worker(config: dict) -> None:
         pos.pending.append(metrics)
         if rank == 0 and (pos.step % tc.log_every == 0 or pos.step == total):
             pace = (time.perf_counter() - t_start) / (pos.step - start_step)
-            print(progress(metrics, total, pace * (total - pos.step)), flush=True)
+            _say(progress(metrics, total, pace * (total - pos.step)))
         if pos.step % tc.checkpoint_every == 0 or pos.step == total:
             _checkpoint(engine, pos, metrics, run)
     _export(engine, tc, rank, config, run)
