@@ -1,7 +1,9 @@
 """Profile SPS(B), the target's verification steps per second at a total batch of B tokens, on this
-device, and save the table (with hardware info) for the scheduler:
+device, and with --drafter also t_d(R), the drafter's round time at R requests; save the table (with
+hardware info) for the scheduler:
 
     python jobs/profile_sps.py --out results/sps.json --batches 1,2,4,8,16,32,64 --context 256
+    python jobs/profile_sps.py --config configs/smollm2.yaml --drafter s3://BUCKET/drafters/NAME --out sps.json
     python jobs/profile_sps.py --set target.name_or_path=Qwen/Qwen3-4B --set target.device=cuda \\
         --set target.dtype=bfloat16 --out sps-h200.json
 
@@ -10,6 +12,7 @@ Serving loads such a table with --set serve.sps_table=FILE (production hardware 
 
 import argparse
 import json
+import tempfile
 
 import _bootstrap  # noqa: F401
 
@@ -24,17 +27,38 @@ def main(argv=None):
     p.add_argument("--batches", default="1,2,4,8,12,16,24,32,48,64,96,128")
     p.add_argument("--context", type=int, default=256, help="KV-cache tokens each request already holds")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--drafter", default="", help="drafter URI: also profile its drafting round per request count")
+    p.add_argument("--max-requests", type=int, default=64, help="requests a batch is spread over (at most)")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     from dspark import target as targets
     from dspark.decoding.profile import profile
+    from dspark.models import load_drafter
+    from dspark.storage import Storage
 
     tgt = targets.load_from_config(cfg.target)
-    table = profile(tgt.model, [int(b) for b in args.batches.split(",")], context=args.context, repeats=args.repeats)
+    drafter = None
+    if args.drafter:
+        with tempfile.TemporaryDirectory(prefix="drafter-") as d:
+            drafter = load_drafter(
+                Storage.from_config(cfg.storage).download_dir(args.drafter, d), tgt.model, tgt.weights_sha256
+            )
+    table = profile(
+        tgt.model,
+        [int(b) for b in args.batches.split(",")],
+        context=args.context,
+        repeats=args.repeats,
+        max_requests=args.max_requests,
+        drafter=drafter,
+        gamma=drafter.c.gamma if drafter is not None else 0,
+    )
     table.hardware.update({"target": cfg.target.name_or_path, "context": args.context, "repeats": args.repeats})
+    table.hardware.update({"drafter": args.drafter} if args.drafter else {})
     table.save(args.out)
     for b, s in zip(table.batch, table.sps):
-        print(f"B={b:4d}  {s:8.2f} steps/s  {b * s:9.0f} tokens/s")
+        print(f"B={b:4d}  {s:8.2f} steps/s  {b * s:9.0f} tokens/s  verify {1000 / s:7.1f} ms")
+    for r, t in zip(table.draft_batch, table.draft_s):
+        print(f"R={r:4d}  drafting round {1000 * t:7.1f} ms")
     print(f"[sps] saved {args.out}: {json.dumps(table.hardware)}")
 
 

@@ -160,7 +160,7 @@ class SpeculativeEngine:
         from dspark import target as targets
         from dspark.calibration import sts
         from dspark.decoding.engine import Engine
-        from dspark.decoding.profile import profile
+        from dspark.decoding.profile import draft_time, profile
         from dspark.models import load_drafter
         from dspark.scheduling.sps import SPSTable
         from dspark.storage import Storage
@@ -178,10 +178,16 @@ class SpeculativeEngine:
                 local = Storage.from_config(cfg.storage).download_dir(sc.drafter_uri, d)
                 drafter = load_drafter(local, tgt.model, tgt.weights_sha256)
                 start = sts.load(local)
-        t0 = time.perf_counter()
-        sps = SPSTable.load(sc.sps_table) if sc.sps_table else profile(tgt.model, sc.sps_batches, repeats=3)
-        log.info("SPS table ready in %.1fs: %s", time.perf_counter() - t0, sps.sps)
         self.gamma = sc.gamma or (drafter.c.gamma if drafter is not None else 1)
+        t0 = time.perf_counter()
+        if sc.sps_table:
+            sps = SPSTable.load(sc.sps_table)
+        else:
+            sps = profile(tgt.model, sc.sps_batches, repeats=3, max_requests=sc.max_batch)
+        if drafter is not None and sc.policy != "none" and not sps.draft_batch:  # t_d(R) on this device
+            sps.draft_batch = sorted({R for R in sc.sps_batches if R < sc.max_batch} | {sc.max_batch})
+            sps.draft_s = [draft_time(tgt.model, drafter, R, self.gamma, repeats=3) for R in sps.draft_batch]
+        log.info("cost tables ready in %.1fs: SPS(B) %s, t_d(R) %s", time.perf_counter() - t0, sps.sps, sps.draft_s)
         self.calibration = calibration if (sc.calibration and drafter is not None and drafter.has_confidence) else None
         self.metrics = EngineMetrics(self.gamma)
         self.pending: list = []
@@ -200,7 +206,7 @@ class SpeculativeEngine:
             calibration=start,
             metrics=self.metrics,
             observer=self._observe if self.calibration else None,
-            idle_probe=sc.idle_probe_rounds,
+            probe_rounds=sc.draft_probe_rounds,
             max_len=sc.max_len,
             stop_ids=tgt.eos_token_ids,
         )
@@ -282,7 +288,13 @@ class SpeculativeEngine:
     def state(self) -> dict:
         return {
             **self.engine.state(),
-            "sps": {"batch": self.sps.batch, "sps": self.sps.sps, "hardware": self.sps.hardware},
+            "sps": {
+                "batch": self.sps.batch,
+                "sps": self.sps.sps,
+                "draft_batch": self.sps.draft_batch,
+                "draft_s": self.sps.draft_s,
+                "hardware": self.sps.hardware,
+            },
         }
 
 

@@ -227,7 +227,10 @@ class ServeConfig(Section):
     calibration_min_rounds: int = Field(200, ge=1)
     calibration_half_life: float = Field(2000.0, gt=0)  # rounds
     calibration_bias: bool = True  # refit per-position offsets too (false: temperatures only, the paper's STS)
-    idle_probe_rounds: int = Field(4, ge=0)  # after a round that verified no draft, skip drafting this many rounds
+    # adaptive policies: when drafting is not expected to pay (or a round verified nothing), skip it and
+    # draft again after 1, 2, 4, .. up to this many rounds to re-measure acceptance (0 = draft every round)
+    # (256 rounds: a probe then costs about 1% of a server that does not draft)
+    draft_probe_rounds: int = Field(256, ge=0)
     api_key: Optional[str] = Field(None, repr=False)  # when set, requests need "Authorization: Bearer <key>"
 
     @field_validator("api_key")

@@ -8,6 +8,7 @@ from dspark import target as targets
 from dspark.calibration.sts import Calibration
 from dspark.decoding.engine import Engine, Overloaded
 from dspark.decoding.events import Done, Error, Text
+from dspark.decoding.profile import profile
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.errors import UserError
@@ -50,8 +51,9 @@ def ids_of(tgt, prompt):
 @pytest.mark.parametrize("policy", ["greedy", "async", "static", "threshold", "none"])
 def test_concurrent_requests_get_exact_greedy_outputs(tgt, drafter, policy):
     prompts = [f"def g{i}(a):\n" for i in range(7)]
-    # idle_probe=2: rounds that verify nothing make the next two skip the drafter
-    eng = engine(tgt, drafter, policy=policy, max_batch=3, max_queue=16, idle_probe=2)
+    # drafting costs 3 target steps: the adaptive policies skip drafting in some rounds, probing every 2
+    cost = SPSTable([1, 16], [100.0, 90.0], draft_batch=[1], draft_s=[0.03])
+    eng = engine(tgt, drafter, policy=policy, max_batch=3, max_queue=16, probe_rounds=2, sps=cost)
     try:
         streams = [eng.submit(ids_of(tgt, p), SamplingParams(0.0), 16, 0) for p in prompts]  # 7 requests, 3 slots
         outs = [collect(s) for s in streams]
@@ -65,8 +67,13 @@ def test_concurrent_requests_get_exact_greedy_outputs(tgt, drafter, policy):
         assert done.info["completion_tokens"] == len(ref.out)
         timing = done.info["timing"]  # what the server's TTFT and inter-token latency metrics record
         assert 0 < timing["ttft_s"] < 120 and (timing["itl_s"] is None or 0 < timing["itl_s"] < 120)
+        spec = done.info["speculative"]
         if policy == "none":
-            assert sum(done.info["speculative"]["verified_per_position"]) == 0
+            assert sum(spec["verified_per_position"]) == 0 and spec["drafted_rounds"] == 0
+        elif policy == "static":
+            assert spec["drafted_rounds"] == spec["rounds"]  # a baseline drafts every round
+        elif spec["rounds"] > 3:  # an untrained drafter never pays for 3 target steps: the gate skips
+            assert 0 < spec["drafted_rounds"] < spec["rounds"]
 
 
 def test_queue_bound_cancel_and_stop(tgt, drafter):
@@ -178,9 +185,15 @@ def test_errors_are_events_with_an_http_status(tgt, drafter):
             eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 100)
         with pytest.raises(ValueError, match="seed"):
             eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 8, 2**64)
-        eng.decoder.drafter.extend = None  # every prefill now fails inside the engine thread
+        eng.decoder.runner.forward = None  # every prefill now fails inside the engine thread
         ev = drain(eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 8))[-1]
         assert isinstance(ev, Error) and ev.status == 500 and "prefill failed" in ev.message
         assert eng.state()["free_slots"] == 2
     finally:
         eng.close()
+
+
+def test_profile_times_the_drafting_round_per_request_count(tgt, drafter):
+    table = profile(tgt.model, [1, 2, 4], context=32, repeats=1, warmup=0, max_requests=2, drafter=drafter, gamma=4)
+    assert table.draft_batch == [1, 2] and all(t > 0 for t in table.draft_s)
+    assert table.draft_time(4) == pytest.approx(2 * table.draft_s[1])  # past the table: proportional to R

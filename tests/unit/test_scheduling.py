@@ -10,10 +10,13 @@ from scipy import stats
 
 from dspark.decoding.sampling import SamplingParams, probs
 from dspark.decoding.verify import verify_sampled
+from dspark.errors import UserError
 from dspark.scheduling.policies import (
+    DraftGate,
     admit_top_k,
     async_global,
     capacity,
+    draft_pays,
     greedy_prefix,
     make_policy,
     static_threshold,
@@ -150,3 +153,56 @@ def test_async_policy_uses_two_round_old_capacity_once_it_has_it():
     policy(low, 4, 7)
     # third round: capacity from the first (high) round's survival, admission by the current one
     assert sum(policy(low, 4, 7)) == capacity(high, SMOOTH) > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(conf, st.sampled_from([SMOOTH, CLIFF]), st.floats(0.0, 1.0))
+def test_a_paid_draft_makes_verifying_more_of_it_worth_it(c, sps, draft_s):
+    """Theta = tau / (t_d + 1/SPS(B)): with the drafting time t_d already paid, every request verifies
+    at least the drafts it would on the SPS curve alone, and t_d = 0 is the paper's Theta."""
+    a = survival(np.array(c))
+    base, paid = greedy_prefix(a, sps), greedy_prefix(a, sps, draft_s=draft_s)
+    assert (paid >= base).all()
+    assert throughput(a, paid, sps, draft_s) >= throughput(a, np.zeros(len(a), int), sps, draft_s) - 1e-12
+    assert throughput(a, base, sps, 0.0) == pytest.approx(throughput(a, base, sps))
+
+
+def test_draft_time_table():
+    t = SPSTable([1, 8], [100.0, 80.0], draft_batch=[1, 4], draft_s=[0.01, 0.02])
+    assert [t.draft_time(R) for R in (1, 2, 4, 8)] == pytest.approx([0.01, 0.01 + 0.01 / 3, 0.02, 0.04])
+    assert SPSTable([1], [1.0]).draft_time(16) == 0.0  # no drafter timings: drafting counts as free
+    with pytest.raises(UserError, match="draft_batch"):
+        SPSTable([1], [1.0], draft_batch=[2, 1], draft_s=[0.1, 0.1])
+
+
+def test_drafting_pays_at_low_load_and_not_at_high_load():
+    """Verification is flat up to B = 16 then bandwidth-bound; a drafting round costs one target step.
+    Acceptance 0.8 per position: at R = 1 drafting pays; at R = 64 every verified token costs its
+    full price and the draft comes on top: plain decoding wins."""
+    B = np.arange(1, 1025)
+    sps = SPSTable(B.tolist(), (100.0 * np.minimum(1.0, 16.0 / B)).tolist(), draft_batch=[1, 64], draft_s=[0.01, 0.04])
+    alpha = np.full(4, 0.8)
+    assert draft_pays(alpha, 1, sps) and not draft_pays(alpha, 64, sps)
+    assert not draft_pays(np.zeros(4), 1, sps)  # nothing accepted: never
+    free = SPSTable(sps.batch, sps.sps)  # a free drafter at low acceptance still pays where verifying is free
+    assert draft_pays(np.full(4, 0.1), 1, free)
+
+
+def test_draft_gate_skips_probes_and_resumes():
+    sps = SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.03])  # drafting: 3 target steps
+    gate = DraftGate(sps, gamma=4, max_interval=4)
+    assert gate(1)  # nothing measured yet: draft
+    gate.observe([4], [1])  # alpha = (1, 0, ..): tau 2 for 4 step-times of work
+    decisions = [gate(1) for _ in range(16)]
+    # probes after 1, 2, 4, 4, .. skipped rounds
+    assert decisions[:13] == [False, True, False, False, True] + [False] * 4 + [True] + [False] * 3
+    assert gate.alpha[0] == 1.0 and gate.alpha[1] == 0.0 and not gate.known[2]
+    for _ in range(100):  # a better drafter: every probe sees all drafts accepted; alpha climbs
+        if gate(1):
+            gate.observe([4], [4])
+    assert all(gate(1) for _ in range(5))  # tau near 5 for 4 step-times: drafting pays, every round drafts
+    gate.observe([0], [0])  # the policy verified nothing: stop drafting until the next probe
+    assert not gate(1) and gate(1)
+    always = DraftGate(sps, gamma=4, max_interval=0)
+    always.observe([0], [0])
+    assert all(always(1) for _ in range(4))  # max_interval 0: draft every round

@@ -30,7 +30,7 @@ from dspark.decoding.events import Done, Error, Event, Text
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.errors import UserError
-from dspark.scheduling.policies import POLICIES, make_policy
+from dspark.scheduling.policies import ADAPTIVE, POLICIES, DraftGate, make_policy
 from dspark.scheduling.sps import SPSTable
 
 MAX_SEED = 2**63  # seeds are 0 .. 2^63 - 1
@@ -79,6 +79,7 @@ class Stream:
         accepted = [sum(r.accepted >= k for r in self.req.rounds) for k in range(1, gamma + 1)]
         return {
             "rounds": len(self.req.rounds),
+            "drafted_rounds": sum(r.drafted for r in self.req.rounds),
             "mean_tau": self.req.tau,
             "verified_per_position": verified,
             "accepted_per_position": accepted,
@@ -103,7 +104,7 @@ class Engine:
         calibration: Optional[Calibration] = None,
         observer: Optional[Callable[[list], None]] = None,
         metrics=None,
-        idle_probe: int = 0,
+        probe_rounds: int = 0,
         max_len: int = 0,
         stop_ids: tuple[int, ...] = (),
     ):
@@ -124,7 +125,8 @@ class Engine:
             make_policy(policy, self.sps, static_len, threshold),
             max_slots=max_batch,
             calibration=calibration,
-            idle_probe=idle_probe,
+            # adaptive policies also decide whether to draft at all (static ones are the baselines)
+            gate=DraftGate(self.sps, gamma, probe_rounds) if drafting and policy in ADAPTIVE else None,
             max_len=max_len,
         )
         self.max_queue = max_queue

@@ -1,6 +1,7 @@
-"""Profiling the target on its device: SPS(B), the verification steps per second at a total batch of B
-new tokens (the scheduler's cost curve, saved as a scheduling.sps.SPSTable). It lives next to the runner
-it times, so that scheduling stays a pure leaf."""
+"""Profiling a round's cost on its device, saved as a scheduling.sps.SPSTable (the scheduler's cost
+curves): SPS(B), the target's verification steps per second at a total batch of B new tokens, and
+t_d(R), the seconds of one drafting round for R requests. It lives next to the decoder it times, so
+that scheduling stays a pure leaf."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import numpy as np
 import torch
 
 from dspark.decoding.runner import TargetRunner
+from dspark.decoding.sampling import SamplingParams
+from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.scheduling.sps import SPSTable
 
 
@@ -27,10 +30,18 @@ def hardware_info(device) -> dict:
 
 
 def profile(
-    target_model, batches: list[int], context: int = 256, repeats: int = 5, warmup: int = 2, max_requests: int = 64
+    target_model,
+    batches: list[int],
+    context: int = 256,
+    repeats: int = 5,
+    warmup: int = 2,
+    max_requests: int = 64,
+    drafter=None,
+    gamma: int = 0,
 ) -> SPSTable:
     """Measure verification steps/s for total batch B tokens, spread over min(B, max_requests) requests
-    that each already hold `context` tokens of KV cache (the median of `repeats` timed steps)."""
+    that each already hold `context` tokens of KV cache (the median of `repeats` timed steps); with a
+    drafter, also its drafting round at each R = B <= max_requests (`draft_time`)."""
     vocab = target_model.config.vocab_size
     out = []
     for B in batches:
@@ -53,4 +64,31 @@ def profile(
             for s in slots:
                 runner.truncate(s, context)
         out.append(1.0 / float(np.median(times)))
-    return SPSTable(list(batches), out, hardware_info(next(target_model.parameters()).device))
+    table = SPSTable(list(batches), out, hardware_info(next(target_model.parameters()).device))
+    if drafter is not None:
+        table.draft_batch = [R for R in batches if R <= max_requests]
+        table.draft_s = [
+            draft_time(target_model, drafter, R, gamma, context, repeats, warmup) for R in table.draft_batch
+        ]
+    return table
+
+
+def draft_time(
+    target_model, drafter, R: int, gamma: int, context: int = 256, repeats: int = 5, warmup: int = 2
+) -> float:
+    """Seconds of one drafting round (gamma drafts sampled at T=1, the policy included) for R requests
+    that each hold `context` tokens: the median of `repeats` rounds of the decoder itself."""
+    vocab = target_model.config.vocab_size
+    new = (warmup + repeats) * (gamma + 1) + 1  # every round commits at most gamma + 1 tokens
+    dec = SpeculativeDecoder(target_model, drafter, gamma, max_slots=R, capacity=context + new + 1)
+    reqs = [Request(torch.randint(0, vocab, (context,)).tolist(), SamplingParams(1.0), new, seed=r) for r in range(R)]
+    dec.add_many(reqs)
+    times = []
+    for i in range(warmup + repeats):
+        before = sum(r.draft_s for r in reqs)  # the decoder books each round's drafting time over its requests
+        dec.step()
+        if i >= warmup:
+            times.append(sum(r.draft_s for r in reqs) - before)
+    for r in list(dec.active):
+        dec.cancel(r)
+    return float(np.median(times))

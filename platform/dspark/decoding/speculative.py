@@ -6,14 +6,17 @@ One round, for every active request r with anchor x_0 (the last committed token)
     2. schedule: the policy picks l_r in 0..gamma from the confidences       pure function
     3. verify:   ONE target forward over all [x_0, x_1..x_l_r], flattened     one target call
     4. accept:   rejection sampling -> n_r accepted + 1 emitted token         exact target law
-    5. commit:   KV rollback to the accepted prefix; the drafter's context grows by n_r + 1
+    5. commit:   KV rollback to the accepted prefix; the drafter's context grows by n_r + 1 (handed to
+                 it before it next drafts: rounds that skip drafting cost one target step and no more)
 Without a drafter (or gamma = 0) the same loop is plain target decoding, one token per round.
 
 l_r is further capped by quantities that never depend on this round's drafts (lossless): the
 request's room in the context, and the first draft position whose q is not a
 finite distribution (a drafter that produced NaN: the drafts before it are still exact proposals,
 and admitting x_k never looks past q_k). A drafter that raises is skipped for a growing number of
-rounds (1, 2, 4, .. 64), then tried again; the round itself is plain target sampling.
+rounds (1, 2, 4, .. 64), then tried again; the round itself is plain target sampling. A gate
+(scheduling.policies.DraftGate) may skip drafting in a round, decided from earlier rounds only: that
+round is plain target sampling too.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from dspark.decoding.sampling import BatchSampler, SamplingParams, batch_probs, 
 from dspark.decoding.verify import verify_choices, verify_sampled
 from dspark.errors import UserError
 from dspark.models.drafter import Drafter, DraftState
-from dspark.scheduling.policies import Policy
+from dspark.scheduling.policies import DraftGate, Policy
 
 MAX_DRAFTER_BACKOFF = 64  # rounds without drafting after repeated drafter errors
 
@@ -70,6 +73,7 @@ class Request:
     # runtime
     slot: int = -1
     state: Optional[DraftState] = None
+    pending: list = field(default_factory=list)  # (target features, next tokens) the drafter has not seen yet
     gen: Optional[torch.Generator] = None
 
     @property
@@ -88,7 +92,7 @@ class SpeculativeDecoder:
         max_slots: int = 16,
         calibration: Optional[Calibration] = None,
         capacity: int = 512,
-        idle_probe: int = 0,
+        gate: Optional[DraftGate] = None,
         max_len: int = 0,
     ):
         self.drafter, self.gamma, self.policy = drafter, gamma if drafter is not None else 0, policy
@@ -101,11 +105,7 @@ class SpeculativeDecoder:
         self.drafter_error: str | None = None  # the drafter's latest error (decoding fell back to the target)
         self.drafter_failures, self.backoff_left = 0, 0  # consecutive drafter errors; rounds left to skip
         self.last_survival: Optional[torch.Tensor] = None  # (R, gamma) of the latest round, for observers
-        # After a round in which the policy verified no draft at all (high load: a verified token costs
-        # more throughput than it is expected to return), skip the drafter for `idle_probe` rounds, then
-        # draft again to re-check. Lossless: the skip depends only on past rounds, never on the
-        # current drafts, and a skipped round is plain target sampling.
-        self.idle_probe, self.idle_left = idle_probe, 0
+        self.gate = gate  # None: draft every round
 
     # -- requests
     def add(self, req: Request) -> None:
@@ -113,7 +113,7 @@ class SpeculativeDecoder:
 
     def add_many(self, reqs: list[Request]) -> None:
         """Prefill in one target forward: the target reads the prompts and emits each request's first
-        token (its first anchor)."""
+        token (its first anchor). The drafter reads the prompt when it first drafts for the request."""
         for req in reqs:
             if not req.prompt:
                 raise UserError("prompt: at least one token is needed")
@@ -123,7 +123,7 @@ class SpeculativeDecoder:
                     f"context limit of {self.max_len} tokens"
                 )
         t0 = time.perf_counter()
-        try:  # whatever fails (a full cache, NaN logits, the drafter), no slot or drafter state leaks
+        try:  # whatever fails (a full cache, NaN logits), no slot leaks
             for req in reqs:
                 req.gen = torch.Generator().manual_seed(req.seed)
                 req.slot = self.runner.alloc()
@@ -131,13 +131,9 @@ class SpeculativeDecoder:
             no_drafts = torch.zeros(len(reqs), 0, dtype=torch.long)  # the first token: a round verifying nothing
             _, firsts = self._verify(reqs, no_drafts, [0] * len(reqs), None, [x[-1:] for x in out.logits])
             if self.drafter is not None:
-                for req in reqs:
+                for req, f, t in zip(reqs, firsts, out.taps):
                     req.state = DraftState()
-                self.drafter.extend(
-                    [r.state for r in reqs],
-                    out.taps,
-                    [torch.tensor(r.prompt[1:] + [f], device=t.device) for r, f, t in zip(reqs, firsts, out.taps)],
-                )
+                    req.pending = [(t, torch.tensor(req.prompt[1:] + [f], device=t.device))]
         except BaseException:
             for req in reqs:
                 self._release(req)
@@ -173,11 +169,32 @@ class SpeculativeDecoder:
         if self.drafter is not None and req.state is not None:
             self.drafter.release(req.state)
             req.state = None
+        req.pending.clear()
 
     def _caps(self, reqs: list[Request]) -> list[int]:
         """The most drafts each request can verify this round, from a quantity fixed before drafting:
         its room in the context (the anchor and l drafts are appended to its KV slot)."""
         return [max(0, min(self.gamma, self.max_len - self.runner.lengths[r.slot] - 1)) for r in reqs]
+
+    def _catch_up(self, reqs: list[Request]) -> bool:
+        """Hand the drafter every position committed since it last saw each request, in one call (its
+        prompt, or several skipped rounds). False: the drafter failed and is dropped."""
+        behind = [r for r in reqs if r.pending]
+        if not behind:
+            return True
+        try:
+            self.drafter.extend(
+                [r.state for r in behind],
+                [torch.cat([f for f, _ in r.pending]) for r in behind],
+                [torch.cat([t for _, t in r.pending]) for r in behind],
+            )
+        except Exception as e:  # its caches are now inconsistent: plain target decoding from here on
+            self.drafter_error = f"{type(e).__name__}: {e}"
+            self.drafter, self.gamma = None, 0
+            return False
+        for r in behind:
+            r.pending.clear()
+        return True
 
     def _propose(self, reqs: list[Request], anchors: torch.Tensor):
         """The drafter's proposal, or None when it is backing off after errors or raises now."""
@@ -204,11 +221,10 @@ class SpeculativeDecoder:
         anchors = torch.tensor([r.out[-1] for r in reqs])
         drafts = probs_q = survival = conf_logits = prop = None
         lengths = [0] * len(reqs)
-        if self.gamma and self.idle_left > 0:
-            self.idle_left -= 1
-        elif self.gamma:
+        if self.gamma and (self.gate is None or self.gate(len(reqs))):
             t0 = time.perf_counter()
-            prop = self._propose(reqs, anchors)
+            if self._catch_up(reqs):
+                prop = self._propose(reqs, anchors)
         if prop is not None:
             drafts, probs_q = prop.tokens.cpu(), prop.probs
             if prop.conf_logit is not None:
@@ -226,8 +242,6 @@ class SpeculativeDecoder:
             chosen = self.policy(None if survival is None else survival.numpy(), len(reqs), self.gamma)
             lengths = [max(0, min(int(x), v, c)) for x, v, c in zip(chosen, valid, self._caps(reqs))]
             self.last_survival = survival
-            if sum(lengths) == 0:
-                self.idle_left = self.idle_probe
             dt = (time.perf_counter() - t0) / len(reqs)
             for r in reqs:
                 r.draft_s += dt
@@ -236,6 +250,8 @@ class SpeculativeDecoder:
         starts = [self.runner.lengths[r.slot] for r in reqs]
         out = self.runner.forward([r.slot for r in reqs], [tokens[i, : 1 + l] for i, l in enumerate(lengths)])
         n_acc, emitted = self._verify(reqs, tokens[:, 1:], lengths, probs_q, out.logits)
+        if prop is not None and self.gate is not None:
+            self.gate.observe(lengths, n_acc)
         dt = (time.perf_counter() - t0) / len(reqs)
         # per-request Python lists, converted once for the batch
         draft_ids = tokens[:, 1:].tolist()
@@ -248,15 +264,8 @@ class SpeculativeDecoder:
             self.runner.truncate(r.slot, starts[i] + 1 + n)  # keep x_0 and the accepted drafts
             committed.append((r, out.taps[i][: 1 + n], draft_ids[i][:n] + [emitted[i]]))
         if self.drafter is not None:  # the drafter's context grows by x_0 and the accepted drafts
-            try:
-                self.drafter.extend(
-                    [r.state for r, _, _ in committed],
-                    [t for _, t, _ in committed],
-                    [torch.tensor(new, device=t.device) for _, t, new in committed],
-                )
-            except Exception as e:  # its caches are now inconsistent: plain target decoding from here on
-                self.drafter_error = f"{type(e).__name__}: {e}"
-                self.drafter, self.gamma = None, 0
+            for r, t, new in committed:
+                r.pending.append((t, torch.tensor(new, device=t.device)))
         for r, _, new in committed:
             self._commit(r, new)
         self.active = [r for r in reqs if not r.done]

@@ -3,6 +3,9 @@
 Notation (paper §3.2.2): R requests, conditional confidences c_{r,j}, prefix survival
 a_{r,j} = prod_{i<=j} c_{r,i}, lengths l_r in 0..gamma, verification batch B = sum_r (1 + l_r),
 expected accepted tokens tau = sum_r (1 + sum_{j<=l_r} a_{r,j}), throughput Theta = tau * SPS(B).
+With the drafting round's cost t_d(R) (sps.SPSTable.draft_time) a round takes t_d + 1/SPS(B):
+Theta = tau / (t_d + 1/SPS(B)). Inside a round that drafted, t_d is already paid (t_d = 0 gives the
+paper's Theta); whether to draft at all is `DraftGate`'s decision, made before drafting.
 
 - `greedy_prefix` (Algorithm 1): admit candidates (r, j) in descending a_{r,j} (ties: smaller j,
   then smaller r) while Theta strictly improves; STOP at the first candidate that does not. The early
@@ -11,6 +14,10 @@ expected accepted tokens tau = sum_r (1 + sum_{j<=l_r} a_{r,j}), throughput Thet
 - `async_global`: the production variant (§5.2). Capacity K comes from an unconstrained search over
   the whole admission path on confidences from two steps earlier (they cannot depend on the current
   tokens); the current step admits the top-K candidates by fresh survival.
+- `DraftGate`: draft this round or decode plain target tokens, from past rounds only: the per-position
+  acceptance measured in earlier drafted rounds predicts tau of a static length, and drafting goes
+  on while some length beats plain decoding, Theta_0 = R * SPS(R). A round that skips drafting is
+  plain target sampling, so the output law is unchanged.
 - Baselines: no speculation, static length, static threshold on survival.
 
 `make_policy` turns a policy name into the callable the decoder runs each round; it is the one
@@ -40,15 +47,21 @@ def _order(a: np.ndarray) -> np.ndarray:
     return np.stack([r.ravel()[keys], j.ravel()[keys]], 1)
 
 
-def throughput(a: np.ndarray, lengths, sps: SPSTable) -> float:
+def rate(tau: float, B: int, sps: SPSTable, draft_s: float = 0.0) -> float:
+    """Theta = tau / (t_d + 1/SPS(B)): tokens per second of a round that verifies B tokens."""
+    return tau * sps(B) if draft_s == 0 else tau / (draft_s + 1.0 / sps(B))
+
+
+def throughput(a: np.ndarray, lengths, sps: SPSTable, draft_s: float = 0.0) -> float:
     a = np.asarray(a, dtype=np.float64)
     lengths = np.asarray(lengths)
     tau = len(lengths) + sum(a[r, :l].sum() for r, l in enumerate(lengths))
-    return float(tau * sps(int(len(lengths) + lengths.sum())))
+    return float(rate(tau, int(len(lengths) + lengths.sum()), sps, draft_s))
 
 
-def greedy_prefix(a: np.ndarray, sps: SPSTable, early_stop: bool = True) -> np.ndarray:
-    """Algorithm 1. a: (R, gamma) prefix survival. Returns l (R,).
+def greedy_prefix(a: np.ndarray, sps: SPSTable, early_stop: bool = True, draft_s: float = 0.0) -> np.ndarray:
+    """Algorithm 1. a: (R, gamma) prefix survival; draft_s: the round's drafting time, already paid
+    (verifying more of the drafts is then relatively cheaper). Returns l (R,).
 
     early_stop=False is the retrospective global search: NOT lossless (kept for the bias test)."""
     a = np.asarray(a, dtype=np.float64)
@@ -56,14 +69,14 @@ def greedy_prefix(a: np.ndarray, sps: SPSTable, early_stop: bool = True) -> np.n
     lengths = np.zeros(R, dtype=np.int64)
     best_lengths = lengths.copy()
     B, tau = R, float(R)
-    best = tau * sps(B)
+    best = rate(tau, B, sps, draft_s)
     for r, j in _order(a):
         if a[r, j] <= 0:
             break
         lengths[r] = j + 1
         B += 1
         tau += a[r, j]
-        theta = tau * sps(B)
+        theta = rate(tau, B, sps, draft_s)
         if theta > best:
             best, best_lengths = theta, lengths.copy()
         elif early_stop:
@@ -71,9 +84,9 @@ def greedy_prefix(a: np.ndarray, sps: SPSTable, early_stop: bool = True) -> np.n
     return best_lengths
 
 
-def capacity(a_stale: np.ndarray, sps: SPSTable) -> int:
+def capacity(a_stale: np.ndarray, sps: SPSTable, draft_s: float = 0.0) -> int:
     """K = number of draft tokens the unconstrained search over the admission path would verify."""
-    return int(greedy_prefix(a_stale, sps, early_stop=False).sum())
+    return int(greedy_prefix(a_stale, sps, early_stop=False, draft_s=draft_s).sum())
 
 
 def admit_top_k(a: np.ndarray, k: int) -> np.ndarray:
@@ -86,9 +99,9 @@ def admit_top_k(a: np.ndarray, k: int) -> np.ndarray:
     return lengths
 
 
-def async_global(a_fresh: np.ndarray, a_stale: np.ndarray, sps: SPSTable) -> np.ndarray:
+def async_global(a_fresh: np.ndarray, a_stale: np.ndarray, sps: SPSTable, draft_s: float = 0.0) -> np.ndarray:
     """Production variant: capacity from two-step-old confidences, admission by fresh ones."""
-    return admit_top_k(a_fresh, capacity(a_stale, sps))
+    return admit_top_k(a_fresh, capacity(a_stale, sps, draft_s))
 
 
 def no_speculation(R: int) -> np.ndarray:
@@ -104,9 +117,66 @@ def static_threshold(a: np.ndarray, threshold: float) -> np.ndarray:
     return (np.asarray(a) >= threshold).cumprod(axis=1).sum(axis=1).astype(np.int64)
 
 
-POLICIES = ("none", "static", "threshold", "greedy", "async")
+def draft_rate(alpha: np.ndarray, R: int, sps: SPSTable) -> float:
+    """The best Theta of drafting at R requests with one static length l = 1..gamma, predicted from the
+    per-position conditional acceptance alpha (gamma,): tau = R * (1 + sum_{j<=l} prod_{i<=j} alpha_i),
+    and the round takes t_d(R) + 1/SPS(R * (1 + l))."""
+    tau = R * (1.0 + np.cumsum(np.cumprod(alpha)))  # (gamma,): l = 1..gamma
+    t_d = sps.draft_time(R)
+    return max(rate(float(t), R * (2 + j), sps, t_d) for j, t in enumerate(tau))
 
-# policy(survival: (R, gamma) calibrated prefix survival or None, R, gamma) -> lengths l_r (R,)
+
+def draft_pays(alpha: np.ndarray, R: int, sps: SPSTable) -> bool:
+    """Drafting is expected to beat plain target decoding, Theta_0 = R * SPS(R)."""
+    return draft_rate(alpha, R, sps) > rate(R, R, sps)
+
+
+class DraftGate:
+    """Whether a round drafts, decided before drafting from past drafted rounds only.
+
+    alpha_j, the conditional acceptance at draft position j, is an exponential average over the drafted
+    rounds that verified position j (a position never verified counts as 0). A round drafts while
+    `draft_pays`; otherwise it does not, except for probes that re-measure alpha after 1, 2, 4, ..
+    `max_interval` skipped rounds. A drafted round that verified nothing (the policy found no draft
+    worth its verification) also stops drafting until the next probe. Before any drafted round there
+    is nothing to predict from: draft. max_interval = 0: draft every round."""
+
+    def __init__(self, sps: SPSTable, gamma: int, max_interval: int, weight: float = 0.1):
+        self.sps, self.max_interval, self.weight = sps, max_interval, weight
+        self.alpha = np.zeros(gamma)
+        self.known = np.zeros(gamma, dtype=bool)  # alpha_j has been measured
+        self.seen = False  # a drafted round has been observed
+        self.idle = False  # the latest drafted round verified nothing
+        self.interval, self.skipped = 1, 0
+
+    def __call__(self, R: int) -> bool:
+        if self.max_interval == 0 or not self.seen or (not self.idle and draft_pays(self.alpha, R, self.sps)):
+            self.interval, self.skipped = 1, 0
+            return True
+        if self.skipped >= self.interval:  # a probe
+            self.interval, self.skipped = min(2 * self.interval, self.max_interval), 0
+            return True
+        self.skipped += 1
+        return False
+
+    def observe(self, verified: list[int], accepted: list[int]) -> None:
+        """A drafted round: request r verified verified[r] drafts and accepted accepted[r] of them."""
+        l, n = np.asarray(verified), np.asarray(accepted)
+        self.seen, self.idle = True, not l.any()
+        for j in range(len(self.alpha)):
+            reached = (l > j) & (n >= j)  # position j was verified and every draft before it accepted
+            if reached.any():
+                measured = float((n[reached] > j).mean())
+                w = self.weight if self.known[j] else 1.0
+                self.alpha[j] += w * (measured - self.alpha[j])
+                self.known[j] = True
+
+
+POLICIES = ("none", "static", "threshold", "greedy", "async")
+ADAPTIVE = ("threshold", "greedy", "async")  # the policies that read the confidences
+
+# policy(survival: (R, gamma) calibrated prefix survival or None, R, gamma) -> lengths l_r (R,);
+# the adaptive ones count the round's drafting time t_d(R) from the table as paid
 Policy = Callable[[Optional[np.ndarray], int, int], list[int]]
 
 
@@ -121,11 +191,11 @@ class AsyncGlobal:
         self.sps = sps
         self.history: deque = deque(maxlen=2)  # survival of the two previous rounds, oldest first
 
-    def __call__(self, a: np.ndarray) -> np.ndarray:
+    def __call__(self, a: np.ndarray, draft_s: float = 0.0) -> np.ndarray:
         if len(self.history) < 2:
-            lengths = greedy_prefix(a, self.sps)
+            lengths = greedy_prefix(a, self.sps, draft_s=draft_s)
         else:
-            lengths = async_global(a, self.history[0], self.sps)
+            lengths = async_global(a, self.history[0], self.sps, draft_s)
         self.history.append(a)
         return lengths
 
@@ -146,7 +216,7 @@ def make_policy(name: str, sps: SPSTable, static_len: int = 4, threshold: float 
         if name == "threshold":
             return static_threshold(a, threshold).tolist()
         if name == "greedy":
-            return greedy_prefix(a, sps).tolist()
-        return stateful(a).tolist()
+            return greedy_prefix(a, sps, draft_s=sps.draft_time(R)).tolist()
+        return stateful(a, sps.draft_time(R)).tolist()
 
     return policy

@@ -1,7 +1,10 @@
-"""SPS(B): target verification steps per second at a total verification batch of B tokens.
+"""The cost of a round, profiled once on the actual device (warm-up, repeats, median, realistic context
+lengths) and kept as a table; a table measured elsewhere (production hardware) can be loaded from JSON:
 
-Profiled once on the actual device (warm-up, repeats, median, realistic context lengths) and kept as
-a table; a table measured elsewhere (production hardware) can be loaded from JSON instead."""
+- SPS(B): target verification steps per second at a total verification batch of B tokens;
+- t_d(R): seconds of one drafting round (gamma drafts) for R requests; absent = drafting is free.
+
+A round that drafts takes t_d(R) + 1/SPS(B); one that does not takes 1/SPS(R)."""
 
 from __future__ import annotations
 
@@ -19,10 +22,14 @@ class SPSTable:
     batch: list[int]  # measured B values, increasing
     sps: list[float]  # steps per second at each B
     hardware: dict = field(default_factory=dict)
+    draft_batch: list[int] = field(default_factory=list)  # measured R values (requests), increasing
+    draft_s: list[float] = field(default_factory=list)  # seconds per drafting round at each R
 
     def __post_init__(self):
         if not self.batch or len(self.batch) != len(self.sps) or any(np.diff(self.batch) <= 0):
             raise UserError("SPS table: 'batch' must be increasing and as long as 'sps'")
+        if len(self.draft_batch) != len(self.draft_s) or any(np.diff(self.draft_batch) <= 0):
+            raise UserError("SPS table: 'draft_batch' must be increasing and as long as 'draft_s'")
         # as arrays once: the policies call the table for every candidate draft of every round
         self._b, self._s = np.asarray(self.batch, dtype=np.float64), np.asarray(self.sps, dtype=np.float64)
 
@@ -34,6 +41,15 @@ class SPSTable:
         if B >= b[-1]:
             return float(self._s[-1] * b[-1] / B)
         return float(np.interp(B, b, self._s))
+
+    def draft_time(self, R: int) -> float:
+        """t_d(R): linear interpolation inside the table; beyond it, proportional to R; 0 without a table."""
+        if not self.draft_batch:
+            return 0.0
+        r, t = self.draft_batch, self.draft_s
+        if R >= r[-1]:
+            return float(t[-1] * R / r[-1])
+        return float(np.interp(R, r, t))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
