@@ -32,7 +32,10 @@ def main(argv=None):
     from dspark.cluster import cluster_address
     from serving.app import run_local
 
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` and `ray job stop` stop it like Ctrl-C
+    # Ctrl-C, `kill` and `ray job stop` stop it, also when it was started with SIGINT ignored (a
+    # background job of a non-interactive shell inherits that, and Python then keeps it)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     local = cluster_address(cfg) is None
     try:
         url = run_local(cfg)
