@@ -9,8 +9,6 @@ conditional acceptance per position for both; prints, never asserts.
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
 from dspark import evaluation
 from dspark import target as targets
@@ -18,7 +16,7 @@ from dspark.config import add_config_args, config_from_args, run_main
 from dspark.corpus.sources import Corpus
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder
-from dspark.models import load_drafter
+from dspark.models import fetch_drafter
 from dspark.storage import Storage
 
 
@@ -30,10 +28,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     tgt = targets.load_from_config(cfg.target)
-    with tempfile.TemporaryDirectory() as d:
-        drafter = load_drafter(
-            Storage.from_config(cfg.storage).download_dir(args.drafter, Path(d)), tgt.model, tgt.weights_sha256
-        )
+    drafter = fetch_drafter(args.drafter, Storage.from_config(cfg.storage), tgt)
     gamma = cfg.eval.gamma or drafter.c.gamma
     corpus = Corpus.load(cfg.corpus)
     print("| domain | sampling | rounds | tau | conditional acceptance by position |\n|---|---|---|---|---|")

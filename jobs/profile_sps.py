@@ -12,7 +12,6 @@ Serving loads such a table with --set serve.sps_table=FILE (production hardware 
 
 import argparse
 import json
-import tempfile
 
 import _bootstrap  # noqa: F401
 
@@ -33,16 +32,11 @@ def main(argv=None):
     cfg = config_from_args(args)
     from dspark import target as targets
     from dspark.decoding.profile import profile
-    from dspark.models import load_drafter
+    from dspark.models import fetch_drafter
     from dspark.storage import Storage
 
     tgt = targets.load_from_config(cfg.target)
-    drafter = None
-    if args.drafter:
-        with tempfile.TemporaryDirectory(prefix="drafter-") as d:
-            drafter = load_drafter(
-                Storage.from_config(cfg.storage).download_dir(args.drafter, d), tgt.model, tgt.weights_sha256
-            )
+    drafter = fetch_drafter(args.drafter, Storage.from_config(cfg.storage), tgt) if args.drafter else None
     table = profile(
         tgt.model,
         [int(b) for b in args.batches.split(",")],

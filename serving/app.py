@@ -160,7 +160,7 @@ class SpeculativeEngine:
         from dspark import target as targets
         from dspark.calibration import sts
         from dspark.decoding.engine import Engine
-        from dspark.decoding.profile import draft_time, profile
+        from dspark.decoding.profile import add_draft_times, profile
         from dspark.models import load_drafter
         from dspark.scheduling.sps import SPSTable
         from dspark.storage import Storage
@@ -185,8 +185,8 @@ class SpeculativeEngine:
         else:
             sps = profile(tgt.model, sc.sps_batches, repeats=3, max_requests=sc.max_batch)
         if drafter is not None and sc.policy != "none" and not sps.draft_batch:  # t_d(R) on this device
-            sps.draft_batch = sorted({R for R in sc.sps_batches if R < sc.max_batch} | {sc.max_batch})
-            sps.draft_s = [draft_time(tgt.model, drafter, R, self.gamma, repeats=3) for R in sps.draft_batch]
+            requests = sorted({R for R in sc.sps_batches if R < sc.max_batch} | {sc.max_batch})
+            add_draft_times(sps, tgt.model, drafter, requests, self.gamma, repeats=3)
         log.info("cost tables ready in %.1fs: SPS(B) %s, t_d(R) %s", time.perf_counter() - t0, sps.sps, sps.draft_s)
         self.calibration = calibration if (sc.calibration and drafter is not None and drafter.has_confidence) else None
         self.metrics = EngineMetrics(self.gamma)

@@ -66,11 +66,25 @@ def profile(
         out.append(1.0 / float(np.median(times)))
     table = SPSTable(list(batches), out, hardware_info(next(target_model.parameters()).device))
     if drafter is not None:
-        table.draft_batch = [R for R in batches if R <= max_requests]
-        table.draft_s = [
-            draft_time(target_model, drafter, R, gamma, context, repeats, warmup) for R in table.draft_batch
-        ]
+        add_draft_times(
+            table, target_model, drafter, [R for R in batches if R <= max_requests], gamma, context, repeats, warmup
+        )
     return table
+
+
+def add_draft_times(
+    table: SPSTable,
+    target_model,
+    drafter,
+    requests: list[int],
+    gamma: int,
+    context: int = 256,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> None:
+    """Fill the table's t_d(R) at each R of `requests` (increasing)."""
+    table.draft_batch = list(requests)
+    table.draft_s = [draft_time(target_model, drafter, R, gamma, context, repeats, warmup) for R in requests]
 
 
 def draft_time(

@@ -6,6 +6,7 @@ lm_head are shared and frozen, so they are not in it) + calibration.json once ca
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -58,6 +59,13 @@ def load_drafter(path: str | Path, target_model, target_hash: str | None = None,
     dtype = next(target_model.parameters()).dtype
     drafter.load_state_dict(load_file(str(path / WEIGHTS_FILE)))
     return drafter.to(device=next(target_model.parameters()).device, dtype=dtype).eval()
+
+
+def fetch_drafter(uri: str, storage, target) -> Drafter:
+    """The drafter folder at `uri` (any storage URI), downloaded and loaded for `target` (a loaded
+    target: its model and weights hash); only its weights in memory remain."""
+    with tempfile.TemporaryDirectory(prefix="drafter-") as d:
+        return load_drafter(storage.download_dir(uri, d), target.model, target.weights_sha256)
 
 
 def count_params(drafter: Drafter) -> int:
