@@ -198,6 +198,11 @@ class EvalConfig(Section):
     calibration_max_new_tokens: int = Field(128, ge=1)
     calibration_batch: int = Field(8, ge=1)
     calibration_bias: bool = True  # the shipped calibration also fits per-position offsets (false: the paper's STS)
+    # the ideal parallel drafter's bound (evaluation/oracle.py) beside every tau: continuations sampled per
+    # context for its marginals (0 = off), draft samples verified per context, response positions between contexts
+    oracle_paths: int = Field(32, ge=0)
+    oracle_drafts: int = Field(16, ge=1)
+    oracle_stride: int = Field(8, ge=1)
     seed: int = 0
     out_dir: str = str(REPO_ROOT / "results")
 

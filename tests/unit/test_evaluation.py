@@ -36,6 +36,9 @@ def test_evaluate_reports_calibration_with_sweep_and_plots(tmp_path):
             "eval.calibration_prompts_per_domain=3",
             "eval.calibration_max_new_tokens=10",
             "eval.calibration_batch=4",
+            "eval.oracle_paths=8",
+            "eval.oracle_drafts=4",
+            "eval.oracle_stride=2",
         ]
     )
     tgt = targets.load("builtin")
@@ -57,7 +60,11 @@ def test_evaluate_reports_calibration_with_sweep_and_plots(tmp_path):
     for f in ("reliability_d.png", "threshold_sweep_d.png", "conditional_acceptance.png"):
         assert (tmp_path / f).stat().st_size > 10_000
     assert "| d | prose | " in (tmp_path / "results.md").read_text()
+    for r in res["results"]:  # every drafter's tau beside the ideal parallel drafter's, slot 1 exact
+        if r.drafter == "d":
+            assert len(r.bound_accept) == 3 and abs(r.bound_accept[0] - 1) < 1e-5 and 1 < r.tau_bound <= 4
     rec = Recorder()
     evaluation.log_results(rec, res, tmp_path)
     assert ("d.code.calibration.ece_sts", 1) in rec.logged and ("d.prose.T1.tau", 0) in rec.logged
+    assert ("d.prose.T1.tau_bound", 0) in rec.logged and ("target.prose.T1.tau_bound", 0) not in rec.logged
     assert {"results.json", "results.md", "reliability_d.png", "threshold_sweep_d.png"} <= set(rec.artifacts)

@@ -1,7 +1,8 @@
 """Offline evaluation of drafters on held-out prompts: tau, conditional acceptance and prefix survival,
 draft / verify latency and wall-clock speedup over plain target decoding with the same runner
-(`measure`); confidence calibration (ECE/AUROC/Brier, STS) for drafters with a confidence head
-(`calibration_study`); JSON + markdown + PNG + MLflow (`report`). `evaluate` runs them all.
+(`measure`), beside the ideal parallel drafter's bound from the target alone (`oracle`); confidence
+calibration (ECE/AUROC/Brier, STS) for drafters with a confidence head (`calibration_study`);
+JSON + markdown + PNG + MLflow (`report`). `evaluate` runs them all.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from dspark.calibration import sts
 from dspark.decoding.sampling import SamplingParams
+from dspark.evaluation import oracle
 from dspark.evaluation.calibration_study import (
     calibration_rounds,
     calibration_study,
@@ -79,20 +81,29 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
         for t in ec.temperatures:
             sp = SamplingParams(t)
             t0 = time.perf_counter()
-            plain = summarize(
-                "target", domain, sp, 0, decode(target.model, None, prompts, sp, 0, ec.max_new_tokens, eos, ec.seed)
-            )
+            plain_reqs = decode(target.model, None, prompts, sp, 0, ec.max_new_tokens, eos, ec.seed)
+            plain = summarize("target", domain, sp, 0, plain_reqs)
             plain.speedup = 1.0
             results.append(plain)
+            alpha = []
+            if ec.oracle_paths and drafters:
+                gamma_max = max(ec.gamma or d.c.gamma for d in drafters.values())
+                alpha, _, _ = oracle_bound(cfg, target.model, plain_reqs, sp, gamma_max)
             for name, drafter in drafters.items():
                 gamma = ec.gamma or drafter.c.gamma
                 reqs = decode(target.model, drafter, prompts, sp, gamma, ec.max_new_tokens, eos, ec.seed)
                 r = summarize(name, domain, sp, gamma, reqs)
                 r.speedup = r.tokens_per_s / plain.tokens_per_s
+                if alpha:
+                    r.bound_accept = alpha[:gamma]
+                    r.tau_bound = oracle.tau_of(r.bound_accept)
                 results.append(r)
             log(
                 f"[eval] {domain} T={t:g}: "
-                + ", ".join(f"{r.drafter} tau {r.tau:.2f}" for r in results[-len(drafters) - 1 :])
+                + ", ".join(
+                    f"{r.drafter} tau {r.tau:.2f}" + (f" (bound {r.tau_bound:.2f})" if r.bound_accept else "")
+                    for r in results[-len(drafters) - 1 :]
+                )
                 + f" ({time.perf_counter() - t0:.0f}s)"
             )
     (out_dir / "results.json").write_text(
@@ -101,6 +112,15 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
     (out_dir / "results.md").write_text(markdown(results) + ("\n" + calibration_markdown(cal_by) if cal_by else ""))
     plot_acceptance(results, out_dir / "conditional_acceptance.png")
     return {"results": results, "calibrations": shipped, "calibration": cal_by}
+
+
+def oracle_bound(cfg, model, reqs: list, sp: SamplingParams, gamma: int) -> tuple[list[float], float, int]:
+    """The ideal parallel drafter's (alpha_1..alpha_gamma, tau bound, contexts) on the contexts of `reqs`
+    (target-only decodes at `sp`), its drafts drawn from the law the cache was generated with."""
+    ec = cfg.eval
+    law = SamplingParams(cfg.cache.temperature, cfg.cache.top_p, cfg.cache.top_k)
+    responses = [(q.prompt, q.out) for q in reqs]
+    return oracle.bound(model, responses, gamma, sp, law, ec.oracle_paths, ec.oracle_drafts, ec.oracle_stride, ec.seed)
 
 
 def save_calibrations(res: dict, folders: dict[str, Path], extra: dict | None = None) -> None:

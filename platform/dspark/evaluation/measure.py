@@ -4,7 +4,7 @@ and prefix survival, draft / verify latency per round and tokens/s."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,6 +33,8 @@ class RunResult:
     verify_ms: float  # per round
     tokens_per_s: float  # decode phase
     speedup: float = float("nan")  # tokens_per_s / plain target tokens_per_s
+    tau_bound: float = float("nan")  # the ideal parallel drafter's tau at this gamma (evaluation.oracle)
+    bound_accept: list[float] = field(default_factory=list)  # its conditional acceptance by position
 
 
 def prompts_for(cfg, corpus, domain: str, split: str, n: int, tokenizer) -> list[list[int]]:

@@ -49,12 +49,15 @@ def calibration_markdown(cal_by: dict) -> str:
 
 def markdown(results: list[RunResult]) -> str:
     head = (
-        "| drafter | domain | T | gamma | tau | speedup | draft ms | verify ms | cond. acceptance by position |\n"
-        "|---|---|---|---|---|---|---|---|---|\n"
+        "| drafter | domain | T | gamma | tau | tau bound | speedup | draft ms | verify ms "
+        "| cond. acceptance by position | bound by position |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = [
-        f"| {r.drafter} | {r.domain} | {r.temperature:g} | {r.gamma} | {r.tau:.3f} | {r.speedup:.2f}x | "
-        f"{r.draft_ms:.1f} | {r.verify_ms:.1f} | {' '.join(f'{a:.2f}' for a in r.cond_accept)} |"
+        f"| {r.drafter} | {r.domain} | {r.temperature:g} | {r.gamma} | {r.tau:.3f} | "
+        f"{f'{r.tau_bound:.3f}' if r.bound_accept else '-'} | {r.speedup:.2f}x | {r.draft_ms:.1f} | "
+        f"{r.verify_ms:.1f} | {' '.join(f'{a:.2f}' for a in r.cond_accept)} | "
+        f"{' '.join(f'{a:.2f}' for a in r.bound_accept) or '-'} |"
         for r in results
     ]
     return head + "\n".join(rows) + "\n"
@@ -64,9 +67,17 @@ def plot_acceptance(results: list[RunResult], path: Path) -> None:
     panels = sorted({(r.domain, r.temperature) for r in results if r.gamma})
     fig, axes = plots.figure(1, len(panels), (4.5 * len(panels), 3.6))
     for ax, (dom, t) in zip(axes[0], panels):
-        for r in results:
-            if r.domain == dom and r.temperature == t and r.gamma:
-                ax.plot(range(1, r.gamma + 1), r.cond_accept, marker="o", label=f"{r.drafter} (tau {r.tau:.2f})")
+        rows = [r for r in results if r.domain == dom and r.temperature == t and r.gamma]
+        for r in rows:
+            ax.plot(range(1, r.gamma + 1), r.cond_accept, marker="o", label=f"{r.drafter} (tau {r.tau:.2f})")
+        bound = max((r for r in rows if r.bound_accept), key=lambda r: r.gamma, default=None)
+        if bound:
+            ax.plot(
+                range(1, bound.gamma + 1),
+                bound.bound_accept,
+                "k--",
+                label=f"ideal parallel (tau {bound.tau_bound:.2f})",
+            )
         ax.set_title(f"{dom}, T={t:g}")
         ax.set_xlabel("draft position k")
         ax.set_ylabel("P(accept k | 1..k-1 accepted)")
@@ -123,11 +134,13 @@ def plot_sweep(sweeps: dict, path: Path) -> None:
 
 
 def log_results(tracker, res: dict, out_dir: Path, prefix: str = "", artifact_path: str | None = None) -> None:
-    """MLflow: tau and speedup per drafter/domain/T, calibration (ECE raw/STS, AUROC) per position,
+    """MLflow: tau, its bound and speedup per drafter/domain/T, calibration (ECE raw/STS, AUROC) per position,
     and every JSON/markdown/PNG the evaluation wrote."""
     for r in res["results"]:
         key = f"{prefix}{r.drafter}.{r.domain}.T{r.temperature:g}"
         tracker.metrics({f"{key}.tau": r.tau, f"{key}.speedup": r.speedup}, 0)
+        if r.bound_accept:
+            tracker.metrics({f"{key}.tau_bound": r.tau_bound}, 0)
     for name, cal in res["calibration"].items():
         for dom, d in cal["domains"].items():
             for p in d["positions"]:
