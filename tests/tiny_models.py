@@ -47,9 +47,11 @@ def tiny_model(family: str):
     return model.eval().requires_grad_(False)
 
 
-def untrained_drafter(tgt, kind: str, gamma: int, num_layers: int = 1, markov: str = "vanilla", markov_rank: int = 32):
+def untrained_drafter(
+    tgt, kind: str, gamma: int, num_layers: int = 1, markov: str = "vanilla", markov_rank: int = 32, draft_ids=None
+):
     """A freshly initialised drafter of `kind` (seed 0, taps [1, 2, 3]) for the loaded target `tgt`, eval mode;
-    `markov` applies to DSpark only."""
+    `markov` applies to DSpark only; `draft_ids` (increasing token ids) a draft vocabulary."""
     torch.manual_seed(0)
     c = DrafterConfig.from_target(
         tgt.config,
@@ -60,5 +62,9 @@ def untrained_drafter(tgt, kind: str, gamma: int, num_layers: int = 1, markov: s
         gamma=gamma,
         markov=markov if kind == "dspark" else "none",
         markov_rank=markov_rank,
+        draft_vocab=len(draft_ids) if draft_ids is not None else 0,
     )
-    return build_drafter(c, tgt.model).eval()
+    drafter = build_drafter(c, tgt.model).eval()
+    if draft_ids is not None:
+        drafter.set_draft_vocab(torch.as_tensor(draft_ids))
+    return drafter

@@ -153,6 +153,8 @@ class TrainConfig(Section):
     num_layers: int = Field(2, ge=1)
     gamma: int = Field(7, ge=1)
     markov_rank: int = Field(256, ge=1)
+    # the draft vocabulary V_d: the most frequent response tokens of the cache (0 = the whole vocabulary)
+    draft_vocab: int = Field(0, ge=0)
     anchors_per_seq: int = Field(32, ge=1)
     dist_loss: Literal["l1", "kl"] = "l1"  # DSpark's distribution-matching term (paper: l1 = 2 TV)
     lr: float = Field(6e-4, gt=0)

@@ -43,7 +43,7 @@ def _cfg(name, *extra):
 
 def test_build_then_stream_back_bit_exact(small_cache):
     cfg, m = small_cache
-    assert m.rows == 16 and len(m.shards) == 4 and m.layers == [1, 2, 3]
+    assert m.rows == 16 and len(m.shards) == 4 and m.layers == [1, 3, 5]
     storage = Storage.from_config(cfg.storage)
     cache = open_cache(cache_uri(cfg), storage, expect={"hidden_size": 256})
     assert len(check_shards(cache, verify_checksums=True)) == 4

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from conftest import SMALL_CACHE, wait_for
 
 from dspark.services import ObjectStore
@@ -43,6 +44,7 @@ def _submit(ray_head, db: Path, run_name: str) -> str:
         "train.global_batch=8",
         "train.micro_batch=2",
         "train.lr=3e-3",
+        "train.draft_vocab=1024",  # a draft vocabulary: its ids are weights that must survive resume and export
         "train.evaluate=false",
         f"mlflow.tracking_uri=sqlite:///{db}",
     ]
@@ -130,7 +132,7 @@ def reference(ray_head, small_cache, services_dir, mlflow_db, jobs):
     return {"outage": outage, "status": status, "logs": logs, "run": run, "hist": hist}
 
 
-def test_object_store_outage_during_streaming_does_not_fail_the_run(reference, mlflow_db):
+def test_object_store_outage_during_streaming_does_not_fail_the_run(reference, mlflow_db, tmp_path):
     from ray.job_submission import JobStatus
 
     assert reference["outage"], "the run ended before its first checkpoint was committed"
@@ -149,10 +151,17 @@ def test_object_store_outage_during_streaming_does_not_fail_the_run(reference, m
         "train.epoch",
     } <= set(run.data.metrics)
     assert run.data.metrics["train.epoch"] == 2  # the cache was streamed three times
+    assert re.search(r"\[train\] draft vocabulary: 1024 tokens cover \d+\.\d% of the cache", reference["logs"])
     import mlflow
+    from safetensors.torch import load_file
 
-    arts = [a.path for a in mlflow.MlflowClient(f"sqlite:///{mlflow_db}").list_artifacts(run.info.run_id, "drafter")]
+    client = mlflow.MlflowClient(f"sqlite:///{mlflow_db}")
+    arts = [a.path for a in client.list_artifacts(run.info.run_id, "drafter")]
     assert {"drafter/config.json", "drafter/model.safetensors"} <= set(arts)
+    folder = Path(client.download_artifacts(run.info.run_id, "drafter", str(tmp_path)))
+    assert json.loads((folder / "config.json").read_text())["draft_vocab"] == 1024
+    ids = load_file(str(folder / "model.safetensors"))["draft_ids"]
+    assert ids.dtype == torch.int64 and ids.shape == (1024,) and bool((ids[1:] > ids[:-1]).all())
 
 
 def test_two_workers_zero2_from_s3_survive_a_killed_worker(ray_head, reference, mlflow_db, jobs):

@@ -30,7 +30,9 @@ LAYERS = [1, 2, 3]
 
 def test_default_layers_match_the_paper_and_validate():
     assert default_layers(36, 5) == [1, 9, 17, 25, 33]
-    assert default_layers(6, 3) == [1, 2, 3]
+    assert default_layers(6, 3) == [1, 3, 5]  # the built-in target: spread to its top layer
+    assert default_layers(30, 3) == [1, 14, 27]  # SmolLM2-135M
+    assert default_layers(1, 3) == [0]
     with pytest.raises(Exception, match=r"cache.layers: layer ids \[6\] out of range"):
         resolve_layers(6, [1, 6], 3)
     with pytest.raises(Exception, match="distinct and increasing"):

@@ -10,7 +10,10 @@ import torch
 from tiny_models import untrained_drafter
 
 from dspark import target as targets
-from dspark.models.drafter import DraftState
+from dspark.errors import UserError
+from dspark.models import load_drafter, save_drafter
+from dspark.models.drafter import DraftState, select_draft_vocab
+from dspark.train.anchors import sample_anchors, slot_labels
 from dspark.train.loss import LossWeights, drafter_loss
 
 GAMMA = 4
@@ -22,8 +25,12 @@ def tgt():
     return targets.load("builtin")
 
 
-def _drafter(tgt, kind, markov):
-    d = untrained_drafter(tgt, kind, GAMMA, num_layers=2, markov=markov)
+# a draft vocabulary of every third token id: most of the test sequences' tokens fall outside it
+DRAFT_IDS = list(range(0, 4096, 3))
+
+
+def _drafter(tgt, kind, markov, draft_ids=None):
+    d = untrained_drafter(tgt, kind, GAMMA, num_layers=2, markov=markov, draft_ids=draft_ids)
     with torch.no_grad():  # random, non-trivial Markov and confidence heads (some start at zero)
         for p in d.parameters():
             if p.requires_grad and p.abs().sum() == 0:
@@ -42,11 +49,24 @@ def _batch(tgt, B=2):
 
 
 @pytest.mark.parametrize(
-    "kind, markov",
-    [("dspark", "vanilla"), ("dspark", "gated"), ("dspark", "rnn"), ("dflash", "none"), ("eagle3", "none")],
+    "kind, markov, draft_ids",
+    [
+        ("dspark", "vanilla", None),
+        ("dspark", "gated", None),
+        ("dspark", "rnn", None),
+        ("dflash", "none", None),
+        ("eagle3", "none", None),
+        ("dspark", "rnn", DRAFT_IDS),
+        ("dflash", "none", DRAFT_IDS),
+        ("eagle3", "none", DRAFT_IDS),
+    ],
 )
-def test_packed_training_equals_per_block_decoding(tgt, kind, markov):
-    drafter = _drafter(tgt, kind, markov)
+def test_packed_training_equals_per_block_decoding(tgt, kind, markov, draft_ids):
+    """With a draft vocabulary, training's logits are over it and decoding samples from the same
+    logits scattered to the whole vocabulary, -inf (q = 0) elsewhere."""
+    drafter = _drafter(tgt, kind, markov, draft_ids)
+    inside = torch.zeros(tgt.config.vocab_size, dtype=torch.bool)
+    inside[draft_ids if draft_ids is not None else slice(None)] = True
     ids, feats, valid = _batch(tgt)
     anchors = torch.tensor([[3, 9, 15], [1, 6, 12]])  # (B, N) anchor positions p
     with torch.no_grad():
@@ -63,25 +83,31 @@ def test_packed_training_equals_per_block_decoding(tgt, kind, markov):
             drafter.extend([state], [feats[b, :p]], [ids[b, 1 : p + 1]])
             prop = drafter.propose([state], ids[b, p].view(1), GAMMA, teacher)
             got = torch.stack(seen)  # (G, V)
-            assert (got - train["logits"][b, n]).abs().max() < 1e-4, (kind, markov, b, p)
+            assert (got[:, inside] - train["logits"][b, n]).abs().max() < 1e-4, (kind, markov, b, p)
+            assert torch.isneginf(got[:, ~inside]).all()
             if "conf_logit" in train:
                 assert (prop.conf_logit[0] - train["conf_logit"][b, n]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("kind, markov", [("dspark", "vanilla"), ("dflash", "none"), ("eagle3", "none")])
-def test_a_few_steps_on_one_batch_lower_the_loss(tgt, kind, markov):
-    """Real target features: the loss on one batch falls when the drafter trains on it."""
-    drafter = _drafter(tgt, kind, markov).train()
+def _real_batch(tgt):
+    """One cache row of real target features (taps 1, 2, 3) over a short code snippet, all response."""
     ids = torch.tensor([tgt.tokenizer.encode("def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n" * 2)])
     with torch.no_grad():
         hs = tgt.model(ids, output_hidden_states=True).hidden_states  # embeddings, layer 1..L (last: normed)
-    batch = {
+    return {
         "input_ids": ids,
         "loss_mask": torch.ones_like(ids, dtype=torch.bool),
         "valid": torch.ones_like(ids, dtype=torch.bool),
         "features": torch.stack([hs[i] for i in (2, 3, 4)], 2),
         "last_hidden": hs[-1],
     }
+
+
+@pytest.mark.parametrize("kind, markov", [("dspark", "vanilla"), ("dflash", "none"), ("eagle3", "none")])
+def test_a_few_steps_on_one_batch_lower_the_loss(tgt, kind, markov):
+    """Real target features: the loss on one batch falls when the drafter trains on it."""
+    drafter = _drafter(tgt, kind, markov).train()
+    batch = _real_batch(tgt)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
     losses = []
     for step in range(12):
@@ -110,3 +136,53 @@ def test_draft_state_appends_into_buffers_that_double():
     for layer, (k, v) in enumerate(state.kv):
         assert torch.equal(k, torch.cat([c[layer][0] for c in chunks], 1))
         assert torch.equal(v, torch.cat([c[layer][1] for c in chunks], 1))
+
+
+def test_select_draft_vocab_keeps_the_most_frequent_ids_in_order():
+    counts = torch.tensor([5, 0, 5, 9, 1])
+    assert select_draft_vocab(counts, 3).tolist() == [0, 2, 3]  # the tie at 5 keeps both; 9 first
+    assert select_draft_vocab(counts, 5).tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(UserError, match="train.draft_vocab"):
+        select_draft_vocab(counts, 6)
+
+
+def test_the_draft_vocabulary_loss_is_the_exact_total_variation(tgt):
+    """With a draft vocabulary, the L1 term is still ||q - p_t||_1 of the distribution decoding samples
+    from (q = 0 outside V_d), so 1 - L1/2 is still the slot's acceptance probability; CE counts only
+    the labels inside V_d."""
+    drafter = _drafter(tgt, "dspark", "vanilla", DRAFT_IDS)
+    batch = _real_batch(tgt)
+    _, _, stats = drafter_loss(drafter, batch, GAMMA, 8, LossWeights(), torch.Generator().manual_seed(0))
+    # the same anchors (same generator), then everything over the whole vocabulary
+    ids, lmask = batch["input_ids"], batch["loss_mask"]
+    anchors, ok = sample_anchors(lmask, 8, torch.Generator().manual_seed(0))
+    label_pos, labels, sel = slot_labels(ids, lmask, anchors, ok, GAMMA)
+    with torch.no_grad():
+        out = drafter.train_outputs(batch["features"], ids, batch["valid"], anchors, GAMMA)
+        q = torch.softmax(drafter.to_target_vocab(out["logits"].float()), -1)[sel]  # (S, V)
+        p_t = torch.softmax(drafter.head.logits(batch["last_hidden"][0, label_pos[0] - 1]), -1)[sel[0]]
+    slot = torch.arange(GAMMA).expand_as(label_pos)[sel]
+    accept = 1 - 0.5 * (q - p_t).abs().sum(-1)
+    assert torch.allclose(stats["accept_sum_k"], torch.zeros(GAMMA).index_add_(0, slot, accept), atol=1e-5)
+    y, w = labels[sel], torch.exp(-slot / 4.0)
+    inside = torch.isin(y, torch.tensor(DRAFT_IDS))
+    assert 0 < inside.sum() < len(y)  # labels on both sides of the draft vocabulary
+    ce = -torch.log(q[torch.arange(len(y)), y][inside])
+    assert torch.allclose(stats["ce_sum"], (w[inside] * ce).sum(), rtol=1e-5)
+
+
+def test_a_draft_vocabulary_is_saved_with_the_weights(tgt, tmp_path):
+    drafter = _drafter(tgt, "dspark", "vanilla", DRAFT_IDS)
+    save_drafter(drafter, tmp_path)
+    loaded = load_drafter(tmp_path, tgt.model)
+    assert loaded.draft_ids.dtype == torch.long and loaded.draft_ids.tolist() == DRAFT_IDS
+    assert torch.equal(loaded.t2d, drafter.t2d) and torch.equal(loaded.draft_lm_head, drafter.draft_lm_head)
+    ids, feats, _ = _batch(tgt)
+    props = []
+    for d in (drafter, loaded):
+        state = DraftState()
+        d.extend([state], [feats[0, :9]], [ids[0, 1:10]])
+        props.append(d.propose([state], ids[0, 9].view(1), GAMMA, lambda u: (u.argmax(-1), torch.softmax(u, -1))))
+    assert torch.equal(props[0].tokens, props[1].tokens) and torch.equal(props[0].probs, props[1].probs)
+    assert torch.isin(props[0].tokens, torch.tensor(DRAFT_IDS)).all()
+    assert props[0].probs[..., ~torch.isin(torch.arange(tgt.config.vocab_size), torch.tensor(DRAFT_IDS))].sum() == 0

@@ -93,6 +93,24 @@ def read_shard(cache: Cache, s: ShardStats) -> pq.ParquetFile:
     return pq.ParquetFile(pa.BufferReader(data))
 
 
+def token_counts(cache: Cache, shards: list[ShardStats], vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs in the responses (loss_mask) of `shards`: (vocab_size,) int64.
+    Reads only the ids and mask columns (range reads on object storage), not the features."""
+    fs, root = cache.fs_root
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for s in shards:
+        try:
+            t = pq.read_table(f"{root}/{s.file}", filesystem=fs, columns=["input_ids", "loss_mask"])
+        except (FileNotFoundError, pa.ArrowInvalid) as e:
+            raise CacheError(f"shard {cache.shard_uri(s)} is damaged: {e}") from None
+        ids = t.column("input_ids").combine_chunks().flatten().to_numpy()
+        mask = t.column("loss_mask").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise CacheError(f"shard {cache.shard_uri(s)} has token ids outside the target's vocabulary {vocab_size}")
+        counts += np.bincount(ids[mask.astype(bool)], minlength=vocab_size)
+    return torch.from_numpy(counts)
+
+
 def check_shards(cache: Cache, skip_bad: bool = False, verify_checksums: bool = False) -> list[ShardStats]:
     """Cheap checks of every shard (exists, size, Parquet footer, schema, row count; sha256 when asked).
     A bad shard raises a CacheError naming it, or with skip_bad is logged, counted and left out."""

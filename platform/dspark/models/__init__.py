@@ -1,7 +1,8 @@
 """Drafters: DSpark (parallel backbone + Markov head + confidence head), DFlash, EAGLE-3.
 
 A saved drafter is an HF-style folder: config.json + model.safetensors (the target's embedding and
-lm_head are shared and frozen, so they are not in it) + calibration.json once calibrated.
+lm_head are shared and frozen, so they are not in it; `draft_ids` is the draft vocabulary when it has
+one) + calibration.json once calibrated.
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ def save_drafter(drafter: Drafter, path: str | Path) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     drafter.c.save(path / CONFIG_FILE)
-    state = {k: v.detach().float().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    state = {  # weights in float32, the draft vocabulary's ids as integers
+        k: (v.float() if v.is_floating_point() else v).detach().contiguous().cpu()
+        for k, v in drafter.state_dict().items()
+    }
     save_file(state, str(path / WEIGHTS_FILE), metadata={"kind": drafter.c.kind})
 
 

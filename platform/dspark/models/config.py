@@ -28,6 +28,7 @@ class DrafterConfig:
     gamma: int = 7  # draft tokens per round the drafter is trained for
     markov: MarkovKind = "vanilla"  # DSpark's sequential head; "none" for DFlash / EAGLE-3
     markov_rank: int = 256  # r
+    draft_vocab: int = 0  # V_d: the drafter proposes only V_d target tokens (0 = all V); ids in its weights
     target: dict = field(default_factory=dict)  # name and weights hash of the target it was trained for
 
     @property

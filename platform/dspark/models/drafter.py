@@ -1,5 +1,10 @@
 """What every drafter provides to training and to speculative decoding.
 
+A drafter may have a reduced draft vocabulary (EAGLE-3's): its LM head and Markov W2 score only
+V_d of the target's V tokens (the most frequent in the training responses), and every distribution
+it proposes from is scattered back to V with q(v) = 0 outside. Verification needs nothing else:
+q is just another distribution, so the output law stays the target's.
+
 Decoding keeps one `DraftState` per request. After the target commits tokens, `extend` appends the
 target features of the new positions (and, per position, the token that follows it: the last one
 is the new anchor). `propose` then drafts gamma tokens after each request's anchor.
@@ -13,6 +18,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from dspark.errors import UserError
 from dspark.models.config import DrafterConfig
 from dspark.models.layers import FrozenTargetHead
 
@@ -84,13 +90,56 @@ def pad_states(states: list[DraftState], n_layers: int):
     return out, valid
 
 
+def select_draft_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` most frequent token ids of `counts` (V,) (ties: the lower id), in increasing order."""
+    if not 0 < size <= counts.numel():
+        raise UserError(f"train.draft_vocab: {size} must be between 1 and the target's vocabulary {counts.numel()}")
+    top = torch.sort(counts, descending=True, stable=True).indices[:size]  # stable: ties keep the lower id
+    return top.sort().values
+
+
 class Drafter(nn.Module):
-    """Base class: holds the config and the frozen target embedding/lm_head."""
+    """Base class: holds the config, the frozen target embedding/lm_head and the draft vocabulary."""
 
     def __init__(self, c: DrafterConfig, head: FrozenTargetHead):
         super().__init__()
         self.c = c
         self.head = head
+        # draft_ids (V_d,): the target ids of the draft vocabulary, saved with the weights (None = all V);
+        # t2d (V,): target id -> draft index or -1; draft_lm_head (V_d, d): lm_head rows of draft_ids
+        self.register_buffer("draft_ids", torch.arange(c.draft_vocab) if c.draft_vocab else None)
+        self.register_buffer("t2d", None, persistent=False)
+        self.register_buffer("draft_lm_head", None, persistent=False)
+        if c.draft_vocab:
+            self._index_draft_vocab()
+            self.register_load_state_dict_post_hook(lambda module, _keys: module._index_draft_vocab())
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        """ids (V_d,): increasing target token ids (select_draft_vocab); before training."""
+        if self.draft_ids is None or ids.shape != self.draft_ids.shape:
+            raise UserError(f"a draft vocabulary of shape {tuple(ids.shape)} for draft_vocab={self.c.draft_vocab}")
+        self.draft_ids.copy_(ids)
+        self._index_draft_vocab()
+
+    @torch.no_grad()
+    def _index_draft_vocab(self) -> None:
+        ids = self.draft_ids.to(self.head.lm_head_weight.device)
+        self.t2d = torch.full((self.c.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        self.t2d[ids] = torch.arange(ids.numel(), device=ids.device)
+        self.draft_lm_head = self.head.lm_head_weight[ids]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h (..., d) -> logits over the draft vocabulary (..., V_d); (..., V) without one."""
+        if self.draft_ids is None:
+            return self.head.logits(h)
+        return h @ self.draft_lm_head.T.to(h.dtype)
+
+    def to_target_vocab(self, u: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits (..., V_d) -> (..., V) with -inf outside it (q = 0 there)."""
+        if self.draft_ids is None:
+            return u
+        out = u.new_full((*u.shape[:-1], self.c.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.draft_ids, u)
 
     @property
     def has_confidence(self) -> bool:
@@ -102,8 +151,8 @@ class Drafter(nn.Module):
         """Teacher-forced drafts for N anchors per sequence.
 
         feats (B, T, m, d), ids (B, T), valid (B, T), anchors (B, N) anchor positions p.
-        Returns logits (B, N, gamma, V) for the tokens at p+1 .. p+gamma, and conf_logit (B, N, gamma)
-        when the drafter has a confidence head."""
+        Returns logits (B, N, gamma, V_d) (the draft vocabulary's) for the tokens at p+1 .. p+gamma, and
+        conf_logit (B, N, gamma) when the drafter has a confidence head."""
         raise NotImplementedError
 
     def extend(self, states: list[DraftState], feats: list[torch.Tensor], next_tokens: list[torch.Tensor]) -> None:

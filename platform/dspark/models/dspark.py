@@ -1,7 +1,7 @@
 """DSpark = parallel backbone + sequential Markov head + confidence head.  DFlash = the backbone alone.
 
 Drafting one round (anchor x_0 at position p):
-    h_1..h_gamma = backbone([x_0, MASK, ..]),   U_k = lm_head(h_k)             one parallel forward
+    h_1..h_gamma = backbone([x_0, MASK, ..]),   U_k = lm_head(h_k) over V_d    one parallel forward
     for k = 1..gamma:                                                           cheap sequential loop
         p_k = softmax(U_k + B_k(x_{<k}))   x_k ~ p_k   c_k = σ(w·[h_k; W1[x_{k-1}]] + b)
 DFlash samples every slot from softmax(U_k) independently.
@@ -48,7 +48,7 @@ class DSpark(Drafter):
         x = self.head.embed(block.reshape(B, N * gamma)).to(feats.dtype)  # (B, N*G, d)
         h = self.backbone(x, block_positions(anchors, gamma), ctx_kv, packed_mask(anchors, valid, gamma))
         h = h.view(B, N, gamma, -1)  # (B, N, G, d)
-        logits = self.head.logits(h)  # (B, N, G, V) base logits U
+        logits = self.logits(h)  # (B, N, G, V_d) base logits U
         out = {"hidden": h}
         if self.markov is not None:
             # teacher forcing: slot k's previous token is the ground truth x_{p+k} (slot 0: the anchor)
@@ -86,15 +86,15 @@ class DSpark(Drafter):
         )[:, None]
         x = self.head.embed(self._block(anchors, gamma)).to(ctx_kv[0][0].dtype)  # (R, G, d)
         h = self.backbone(x, pos, ctx_kv, mask)  # (R, G, d)
-        U = self.head.logits(h).float()  # (R, G, V)
+        U = self.logits(h).float()  # (R, G, V_d)
         if self.markov is None:  # DFlash: every slot independently
-            toks, probs = zip(*(sample(U[:, k]) for k in range(gamma)))
+            toks, probs = zip(*(sample(self.to_target_vocab(U[:, k])) for k in range(gamma)))
             return Proposal(torch.stack(toks, 1), None if probs[0] is None else torch.stack(probs, 1), None)
         toks, probs, confs = [], [], []
         prev, state = anchors, self.markov.init_state(R, h.device, h.dtype)
         for k in range(gamma):
             bias, e, state = self.markov.step(h[:, k], prev, state)
-            tok, q = sample(U[:, k] + bias.float())
+            tok, q = sample(self.to_target_vocab(U[:, k] + bias.float()))
             confs.append(self.confidence(h[:, k], e).float())
             toks.append(tok)
             probs.append(q)

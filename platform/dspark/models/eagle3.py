@@ -64,7 +64,7 @@ class Eagle3(Drafter):
             chain_v.append(vv)
             hs.append(h)
         h = torch.stack(hs, 2)  # (B, N, G, d)
-        return {"hidden": h, "logits": self.head.logits(self.norm(h))}
+        return {"hidden": h, "logits": self.logits(self.norm(h))}  # (B, N, G, V_d)
 
     # -- decoding
     @torch.no_grad()
@@ -91,7 +91,7 @@ class Eagle3(Drafter):
         ctx_k, ctx_v = kv[0]
         h = torch.stack([s.extra["h"] for s in states])  # (R, d)
         last = torch.tensor([s.length - 1 for s in states], device=anchors.device)  # position of step 0
-        tok, q = sample(self.head.logits(self.norm(h)).float())
+        tok, q = sample(self.to_target_vocab(self.logits(self.norm(h)).float()))
         toks, probs = [tok], [q]
         ks, vs = [], []
         for k in range(1, gamma):
@@ -103,7 +103,7 @@ class Eagle3(Drafter):
             ks.append(kk)
             vs.append(vv)
             h = out[:, 0]
-            tok, q = sample(self.head.logits(self.norm(h)).float())
+            tok, q = sample(self.to_target_vocab(self.logits(self.norm(h)).float()))
             toks.append(tok)
             probs.append(q)
         return Proposal(torch.stack(toks, 1), None if probs[0] is None else torch.stack(probs, 1), None)

@@ -25,9 +25,9 @@ class MarkovHead(nn.Module):
         r, d = c.markov_rank, c.hidden_size
         self.kind, self.r = c.markov, r
         self.W1 = nn.Embedding(c.vocab_size, r)
-        self.W2 = nn.Linear(r, c.vocab_size, bias=False)
+        self.W2 = nn.Linear(r, c.draft_vocab or c.vocab_size, bias=False)  # scores the draft vocabulary
         nn.init.normal_(self.W1.weight, std=0.02)
-        nn.init.zeros_(self.W2.weight)  # starts as "no bias": the backbone's logits unchanged
+        nn.init.normal_(self.W2.weight, std=0.02)  # DeepSpec's init (zero init measured no different)
         if self.kind == "gated":
             self.Wg = nn.Linear(d + r, r)
         elif self.kind == "rnn":
@@ -37,7 +37,7 @@ class MarkovHead(nn.Module):
         return torch.zeros(n, self.r, device=device, dtype=dtype) if self.kind == "rnn" else None
 
     def step(self, h: torch.Tensor, prev: torch.Tensor, state: torch.Tensor | None):
-        """h: (N, d), prev: (N,) token ids -> bias (N, V), e = W1[prev] (N, r), next state."""
+        """h: (N, d), prev: (N,) token ids -> bias (N, V_d), e = W1[prev] (N, r), next state."""
         e = self.W1(prev)  # (N, r)
         if self.kind == "vanilla":
             return self.W2(e), e, state
@@ -48,7 +48,7 @@ class MarkovHead(nn.Module):
         return self.W2(torch.tanh(o)), e, state
 
     def parallel(self, h: torch.Tensor, prev: torch.Tensor):
-        """Teacher forcing over whole blocks. h: (N, G, d), prev: (N, G) -> bias (N, G, V), e (N, G, r)."""
+        """Teacher forcing over whole blocks. h: (N, G, d), prev: (N, G) -> bias (N, G, V_d), e (N, G, r)."""
         if self.kind != "rnn":
             bias, e, _ = self.step(h, prev, None)  # vanilla/gated are position-wise
             return bias, e

@@ -1,8 +1,10 @@
 """Which target layers a drafter reads, and forward hooks that capture them.
 
-Default taps are spread evenly from layer 1 to layer L-3, which for Qwen3-4B (L=36, m=5) gives the
-paper's [1, 9, 17, 25, 33]. The final-norm output ("last hidden") is captured too: it is what the
-frozen lm_head turns into the target's distribution.
+Default taps are spread evenly over the whole depth, from layer 1 to layer round(33/35 * (L-1)): the
+paper's [1, 9, 17, 25, 33] for Qwen3-4B (L=36, m=5), [1, 14, 27] for SmolLM2-135M (L=30, m=3) and
+[1, 3, 5] for the built-in 6-layer target (m=3), whose top layers a drafter would otherwise never see.
+The final-norm output ("last hidden") is captured too: it is what the frozen lm_head turns into the
+target's distribution.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from dspark.errors import UserError
 
 
 def default_layers(num_layers: int, m: int) -> list[int]:
-    hi = max(num_layers - 3, 1)
-    m = min(m, hi)
-    return sorted({int(round(x)) for x in np.linspace(1, hi, m)})
+    lo = min(1, num_layers - 1)
+    hi = max(int(round((num_layers - 1) * 33 / 35)), lo)  # the paper's top tap, 33 of 0..35, scaled
+    return sorted({int(round(x)) for x in np.linspace(lo, hi, min(m, hi - lo + 1))})
 
 
 def resolve_layers(num_layers: int, layers: list[int], m: int) -> list[int]:

@@ -1,6 +1,6 @@
 """Drafter losses, per slot k = 0..gamma-1 over a contiguous valid prefix.
 
-    DSpark:  L = 0.1·CE + 0.9·L1 + 1.0·BCE,  slot weight w_k = exp(-k/4)
+    DSpark:  L = 0.1·CE + 0.9·L1 + 1.0·BCE,  slot weight w_k = exp(-k/gamma)  (the paper's eq. 9-11)
              CE  = -log p_d(x*)                     x* = the target's own next token
              L1  = ||p_d - p_t||_1  (= 2·TV; 1 - TV is exactly the acceptance probability)
              BCE = BCE(c_k, c*_k),  c*_k = 1 - ½||p_d - p_t||_1  (detached, fp32, T=1)
@@ -8,8 +8,10 @@
     EAGLE-3: soft CE  -Σ_v p_t(v) log p_d(v),  step weight 0.8^k
 
 p_t comes from the cached final-norm hidden state through the frozen lm_head, ONLY at the sampled
-label positions (never full-sequence logits). Losses are returned as a weighted SUM plus the weight
-total, so a distributed loop can normalise by the all-reduced total.
+label positions (never full-sequence logits). With a draft vocabulary V_d, p_d lives on V_d and is 0
+elsewhere: L1 = Σ_{v∈V_d} |p_d - p_t| + p_t(outside V_d) (still exactly 2 TV), CE skips labels
+outside V_d (no draft can propose them), and EAGLE-3's soft CE sums over V_d. Losses are returned as
+a weighted SUM plus the weight total, so a distributed loop can normalise by the all-reduced total.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ class LossWeights:
     ce: float = 0.1
     tv: float = 0.9
     conf: float = 1.0
-    slot_decay: float = 4.0  # w_k = exp(-k / slot_decay)
     eagle_step: float = 0.8  # EAGLE-3: w_k = 0.8^k
     dist: str = "l1"  # DSpark's distribution term: "l1" (the paper) or "kl" (KL(p_t || p_d), for ablations)
 
@@ -39,7 +40,7 @@ class LossWeights:
 
 def slot_weights(kind: str, gamma: int, lw: LossWeights, device) -> torch.Tensor:
     k = torch.arange(gamma, device=device, dtype=torch.float32)
-    return lw.eagle_step**k if kind == "eagle3" else torch.exp(-k / lw.slot_decay)
+    return lw.eagle_step**k if kind == "eagle3" else torch.exp(-k / gamma)  # the paper: exp(-(k-1)/γ), k = 1..γ
 
 
 def drafter_loss(
@@ -59,7 +60,7 @@ def drafter_loss(
     feats = batch["features"].to(drafter.head.embed_weight.dtype)
     out = drafter.train_outputs(feats, ids, valid, anchors, gamma)
     sel = lvalid  # only these slots enter the loss and the statistics
-    logits = out["logits"][sel].float()  # (S, V)
+    logits = out["logits"][sel].float()  # (S, V_d)
     B = ids.shape[0]
     # target distribution for the token at p+k+1 comes from the hidden state at p+k
     hid_pos = (label_pos - 1).view(B, -1)
@@ -67,12 +68,17 @@ def drafter_loss(
     h_t = h_t.view(*label_pos.shape, -1)[sel]  # (S, d)
     with torch.no_grad():
         p_t = torch.softmax(drafter.head.logits(h_t.to(drafter.head.lm_head_weight.dtype)).float(), -1)  # (S, V)
+        y = labels[sel]
+        outside = torch.zeros_like(p_t[:, 0])  # p_t's mass the drafter cannot propose
+        if drafter.draft_ids is not None:
+            p_t = p_t[:, drafter.draft_ids]  # (S, V_d)
+            outside = (1 - p_t.sum(-1)).clamp(min=0)
+            y = drafter.t2d[y]  # draft index, -1 outside V_d
     logp_d = torch.log_softmax(logits, -1)
     p_d = logp_d.exp()
     w = slot_weights(kind, gamma, lw, ids.device).expand_as(label_pos)[sel]  # (S,)
-    y = labels[sel]
-    ce = -logp_d.gather(1, y[:, None])[:, 0]  # (S,)
-    l1 = (p_d - p_t).abs().sum(-1)  # (S,)  = 2 TV
+    ce = -logp_d.gather(1, y.clamp(min=0)[:, None])[:, 0] * (y >= 0)  # (S,)
+    l1 = (p_d - p_t).abs().sum(-1) + outside  # (S,)  = 2 TV
     accept = (1 - 0.5 * l1).detach()  # c*_k: acceptance probability of this slot at T=1
     if kind == "eagle3":
         per = -(p_t * logp_d).sum(-1)

@@ -100,9 +100,9 @@ def mask_id(cfg: Config) -> int:
     return tok.mask_token_id
 
 
-def drafter_for(cfg: Config, manifest: Manifest, device):
+def drafter_for(cfg: Config, manifest: Manifest, device, draft_ids: list[int] | None = None):
     """A fresh drafter for the cache's target and tapped layers, in float32 whatever the target's dtype
-    (bf16 mixed precision is DeepSpeed's train.bf16)."""
+    (bf16 mixed precision is DeepSpeed's train.bf16); `draft_ids` its draft vocabulary (None: all V)."""
     tc = cfg.train
     embed, head = targets.head_weights(cfg.target.name_or_path, "float32", cfg.target.revision, cfg.target.cache_dir)
     hf = targets.hf_config(cfg.target.name_or_path, cfg.target.revision, cfg.target.cache_dir)
@@ -115,9 +115,13 @@ def drafter_for(cfg: Config, manifest: Manifest, device):
         gamma=tc.gamma,
         markov=tc.markov if tc.drafter == "dspark" else "none",
         markov_rank=tc.markov_rank,
+        draft_vocab=len(draft_ids) if draft_ids else 0,
         target=manifest.target,
     )
-    return build_drafter(dc, FrozenTargetHead(embed, head)).to(device)
+    drafter = build_drafter(dc, FrozenTargetHead(embed, head))
+    if draft_ids:
+        drafter.set_draft_vocab(torch.tensor(draft_ids))
+    return drafter.to(device)
 
 
 def _engine(cfg: Config, drafter, world: int, cuda: bool, total: int):
@@ -266,7 +270,7 @@ def train_loop_per_worker(config: dict) -> None:
     torch.manual_seed(tc.seed)
     _no_cpu_shm_build()
 
-    drafter = drafter_for(cfg, manifest, device)
+    drafter = drafter_for(cfg, manifest, device, config.get("draft_ids"))
     if tc.warm_start:  # weights only: a fresh optimizer, scheduler and step count
         with tempfile.TemporaryDirectory() as d:
             local = config["storage"].download_dir(tc.warm_start, d)
