@@ -59,7 +59,10 @@ class Storage:
 
     @staticmethod
     def join(uri: str, *parts: str) -> str:
-        return posixpath.join(uri.rstrip("/"), *parts) if Storage.is_remote(uri) else str(Path(uri, *parts))
+        """A URI stays a URI (a path would turn file:///x into file:/x, a relative folder)."""
+        if Storage.is_remote(uri) or uri.startswith("file://"):
+            return posixpath.join(uri.rstrip("/"), *parts)
+        return str(Path(uri, *parts))
 
     # -- filesystems
     def pyarrow_fs(self, uri: str) -> tuple[pafs.FileSystem, str]:

@@ -10,6 +10,8 @@ def test_uri_forms_resolve(tmp_path):
     assert Storage.path_of("rel/x").endswith("/rel/x")
     assert Storage.join("s3://b/p", "c", "d.parquet") == "s3://b/p/c/d.parquet"
     assert Storage.join(str(tmp_path), "c") == str(tmp_path / "c")
+    assert Storage.join(f"file://{tmp_path}/", "c", "d") == f"file://{tmp_path}/c/d"  # a storage.root of file://
+    assert Storage.path_of(Storage.join(f"file://{tmp_path}", "c")) == f"{tmp_path}/c"
 
 
 def test_settings_come_from_config_then_env(monkeypatch):

@@ -101,7 +101,8 @@ def fit(cfg: Config, log=print, in_memory: bool = False) -> dict:
         dataset_config=DataConfig(datasets_to_split=["train"]),
     )
     log(
-        f"[train] {name}: {tc.drafter} x{tc.num_layers} layers, {tc.num_workers} workers, ZeRO-{tc.zero_stage}, "
+        f"[train] {name}: {tc.drafter} x{tc.num_layers} layers, {tc.num_workers} worker{'s' * (tc.num_workers > 1)}, "
+        f"ZeRO-{tc.zero_stage}, "
         f"{steps} steps of {tc.global_batch} sequences from {cache.uri} ({rows} rows); checkpoints in {runs_uri}/{name}"
     )
     result = trainer.fit()
