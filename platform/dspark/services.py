@@ -39,7 +39,27 @@ DEFAULT_DIR = LOCAL_DIR / "services"
 BUCKET = "dspark"
 
 
+_HANDED_OUT: set[int] = set()  # ports this process already gave to a service
+
+
 def free_port() -> int:
+    """A loopback port free now, for a service that binds it later. It is taken below the kernel's
+    ephemeral range and above Ray's worker ports (10002-19999): ports bound to 0 and outgoing
+    connections (Ray's own processes, started in between) come from those ranges, so none of them can
+    take it first. Bound to 0 (the ephemeral range) only where that leaves no room."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    candidates = [p for p in range(20000, ephemeral) if p not in _HANDED_OUT]
+    for port in secrets.SystemRandom().sample(candidates, min(len(candidates), 100)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

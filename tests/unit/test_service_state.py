@@ -1,15 +1,17 @@
 """Service state files without real services: a stand-in process started and stopped by the same
-code, a reused pid, and damaged state files."""
+code, a reused pid, and damaged state files; the ports services are given."""
 
 import json
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
 
 from dspark.errors import UserError
-from dspark.services import Service
+from dspark.services import Service, free_port
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
 
@@ -90,3 +92,13 @@ def test_a_damaged_state_file_is_one_line_naming_it(tmp_path, content):
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     [line] = out.stderr.strip().splitlines()
     assert line.startswith(f"error: state file {svc.state_file} is damaged (")
+
+
+def test_free_ports_come_from_outside_the_ranges_other_processes_are_handed():
+    """Serve binds its port seconds after it is chosen, while Ray starts processes that bind ports:
+    a port from the kernel's ephemeral range (or Ray's worker ports) could be taken in between."""
+    ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(20)]
+    assert len(set(ports)) == 20 and all(20000 <= p < ephemeral for p in ports), ports
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # free indeed
