@@ -1,9 +1,9 @@
 """What a drafting round costs against a target step, and how much of it the vocabulary is: the round
 time t_d(R) of fresh (untrained) drafters shaped as the config trains them, with the full vocabulary
-and with draft vocabularies of V_d tokens (train.draft_vocab), DSpark beside DFlash (its Markov head's overhead), beside
-the target's own step at batch R and its verification of gamma + 1 tokens per request. Timing does not
-depend on the weights or on which V_d ids are kept, so no cache or training is needed. Prints medians,
-never asserts.
+and with draft vocabularies of V_d tokens (train.draft_vocab), DSpark beside DFlash (the Markov
+head's overhead), against the target's own step for R requests and its verification of gamma + 1
+tokens per request. Timing does not depend on the weights or on which V_d ids are kept, so no cache
+or training is needed. Prints medians, never asserts.
 
     python bench/draft_cost.py --config configs/smollm2.yaml --draft-vocab 0,32768,16384,8192 --requests 1,8
 """
@@ -11,7 +11,6 @@ never asserts.
 from __future__ import annotations
 
 import argparse
-from types import SimpleNamespace
 
 import torch
 
@@ -48,12 +47,12 @@ def main(argv=None):
     kinds = [t.drafter] + (["dflash"] if t.drafter == "dspark" else [])
     print("\n| drafter | V_d | params | " + " | ".join(f"round R={R} (ms) | / target step" for R in requests) + " |")
     print("|---|---|---|" + "---|---|" * len(requests))
-    manifest = SimpleNamespace(layers=taps, target={"name": cfg.target.name_or_path})
     for kind in kinds:
         for vd in [int(v) for v in args.draft_vocab.split(",")]:
             c = cfg.model_copy(deep=True)
             c.train.drafter = kind
-            drafter = drafter_for(c, manifest, "cpu", list(range(vd)) if 0 < vd < V else None).eval()
+            ids = list(range(vd)) if 0 < vd < V else None
+            drafter = drafter_for(c, taps, {"name": cfg.target.name_or_path}, "cpu", ids).eval()
             drafter.to(next(tgt.model.parameters()).dtype)
             cells = []
             for R in requests:

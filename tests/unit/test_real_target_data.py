@@ -60,7 +60,6 @@ def test_evaluation_on_named_prompt_sets_measures_every_turn(tmp_path):
 def test_drafter_of_a_bfloat16_target_trains_in_float32():
     """target.dtype=bfloat16 (the SmolLM2 config) runs the target in bf16; the drafter and its frozen
     copy of the target's head stay float32 for training, so every kind's loss backpropagates."""
-    from types import SimpleNamespace
 
     from dspark.train.loss import LossWeights, drafter_loss
     from dspark.train.worker import drafter_for
@@ -83,7 +82,7 @@ def test_drafter_of_a_bfloat16_target_trains_in_float32():
                 "train.markov_rank=8",
             ]
         )
-        drafter = drafter_for(cfg, SimpleNamespace(layers=[1, 2, 3], target={"name": "builtin"}), "cpu")
+        drafter = drafter_for(cfg, [1, 2, 3], {"name": "builtin"}, "cpu")
         assert all(p.dtype == torch.float32 for p in drafter.parameters())
         loss, _, _ = drafter_loss(
             drafter, batch, 3, 4, LossWeights.from_config(cfg.train), torch.Generator().manual_seed(0)

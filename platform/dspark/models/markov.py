@@ -8,7 +8,8 @@ sampled before it, p_k(v) ∝ exp(U_k(v) + B_k(x_{<k}, v)); and the confidence h
     confidence: c_k = σ(w · [h_k; W1[x_{k-1}]] + b)  ≈ P(x_k accepted | x_{<k} accepted)
 
 Training runs all positions at once with teacher forcing (the RNN unrolled over gamma); inference
-calls `step` left to right. Cost per step: one r-gather and one r x V product.
+calls `step` left to right. Cost per step: one r-gather and one r x V_d product (V_d: the draft
+vocabulary; V without one).
 """
 
 from __future__ import annotations

@@ -100,23 +100,24 @@ def mask_id(cfg: Config) -> int:
     return tok.mask_token_id
 
 
-def drafter_for(cfg: Config, manifest: Manifest, device, draft_ids: list[int] | None = None):
-    """A fresh drafter for the cache's target and tapped layers, in float32 whatever the target's dtype
-    (bf16 mixed precision is DeepSpeed's train.bf16); `draft_ids` its draft vocabulary (None: all V)."""
+def drafter_for(cfg: Config, layers: list[int], target: dict, device, draft_ids: list[int] | None = None):
+    """A fresh drafter reading the target's tapped `layers` (`target`: the cache's name and weights hash
+    of it), in float32 whatever the target's dtype (bf16 mixed precision is DeepSpeed's train.bf16);
+    `draft_ids` its draft vocabulary (None: all V)."""
     tc = cfg.train
     embed, head = targets.head_weights(cfg.target.name_or_path, "float32", cfg.target.revision, cfg.target.cache_dir)
     hf = targets.hf_config(cfg.target.name_or_path, cfg.target.revision, cfg.target.cache_dir)
     dc = DrafterConfig.from_target(
         hf,
         tc.drafter,
-        manifest.layers,
+        layers,
         mask_id(cfg),
         num_layers=tc.num_layers,
         gamma=tc.gamma,
         markov=tc.markov if tc.drafter == "dspark" else "none",
         markov_rank=tc.markov_rank,
         draft_vocab=len(draft_ids) if draft_ids else 0,
-        target=manifest.target,
+        target=target,
     )
     drafter = build_drafter(dc, FrozenTargetHead(embed, head))
     if draft_ids:
@@ -270,7 +271,7 @@ def train_loop_per_worker(config: dict) -> None:
     torch.manual_seed(tc.seed)
     _no_cpu_shm_build()
 
-    drafter = drafter_for(cfg, manifest, device, config.get("draft_ids"))
+    drafter = drafter_for(cfg, manifest.layers, manifest.target, device, config.get("draft_ids"))
     if tc.warm_start:  # weights only: a fresh optimizer, scheduler and step count
         with tempfile.TemporaryDirectory() as d:
             local = config["storage"].download_dir(tc.warm_start, d)
