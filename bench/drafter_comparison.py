@@ -11,6 +11,16 @@ with the eval.* settings).
     python bench/drafter_comparison.py --config configs/smollm2.yaml --cache CACHE --steps 100 \\
         --variants dflash,dspark --out results/comparison-smollm2
 
+Learning curves (`--curve-every N`): a fraction of the cache's rows (`--heldout`, chosen by a hash of
+seq_id) is never trained on; every N steps each variant's held-out expected tau (teacher-forced,
+T=1: 1 + Σ_k Π_{i<=k} (1 - TV_i), the training loss's own acceptance estimate) is recorded against
+the response tokens trained on and the training seconds (held-out passes excluded), and
+learning_curves.png plots both. `--budget-s S` gives every variant the same wall-clock: its step
+count is S over its own step time, probed on a throwaway copy (the cosine schedule then ends at S):
+
+    python bench/drafter_comparison.py --config configs/smollm2.yaml --cache CACHE --budget-s 600 \
+        --curve-every 10 --variants dspark,dflash,eagle3 --out results/curves-smollm2
+
 Training settings: the bench's own (TRAIN_DEFAULTS: global batch 16, micro-batch 8, lr 1e-3, 32
 anchors per sequence) over the --config file's; --set overrides both.
 
@@ -26,11 +36,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import zlib
 from pathlib import Path
 
 import torch
 
-from dspark import evaluation
+from dspark import evaluation, plots
 from dspark import target as targets
 from dspark.cache.read import iter_local, open_cache
 from dspark.config import add_config_args, config_from_args, run_main
@@ -40,6 +51,7 @@ from dspark.errors import UserError
 from dspark.models import DrafterConfig, build_drafter, count_params, load_drafter, save_drafter
 from dspark.storage import Storage
 from dspark.train.loop import fit
+from dspark.train.loss import LossWeights, drafter_loss, summarize
 
 TRAIN_DEFAULTS = ["train.global_batch=16", "train.micro_batch=8", "train.lr=1e-3", "train.anchors_per_seq=32"]
 
@@ -70,8 +82,13 @@ def parse(name: str):
     return (*VARIANTS[base], gamma, fp8, domains)
 
 
-def train_variant(name, tgt, cache, cfg, steps, out_dir, log):
-    kind, layers, markov, gamma, _, domains = parse(name)
+def held_out(seq_id: str, frac: float) -> bool:
+    """A fixed split that does not depend on row order: held out when seq_id hashes below frac."""
+    return zlib.crc32(seq_id.encode()) % 10_000 < frac * 10_000
+
+
+def make_drafter(name, tgt, cache, cfg):
+    kind, layers, markov, gamma, _, _ = parse(name)
     dc = DrafterConfig.from_target(
         tgt.config,
         kind,
@@ -83,31 +100,111 @@ def train_variant(name, tgt, cache, cfg, steps, out_dir, log):
         target=cache.manifest.target,
     )
     torch.manual_seed(cfg.train.seed)
-    drafter = build_drafter(dc, tgt.model)
     tc = cfg.train.model_copy(update={"gamma": gamma, "dist_loss": "kl" if name.endswith("_kl") else "l1"})
-    epoch = [0]
+    return build_drafter(dc, tgt.model), tc
+
+
+def heldout_metrics(drafter, batches: list[dict], tc) -> dict:
+    """Expected tau and per-slot acceptance (1 - TV at T=1) on held-out rows, teacher-forced, with the
+    same anchors at every call."""
+    gen = torch.Generator().manual_seed(tc.seed)
+    lw = LossWeights.from_config(tc)
+    total, w = None, 0.0
+    drafter.eval()
+    with torch.no_grad():
+        for b in batches:
+            _, w_sum, stats = drafter_loss(drafter, b, tc.gamma, tc.anchors_per_seq, lw, gen)
+            w += float(w_sum)
+            total = stats if total is None else {k: total[k] + v for k, v in stats.items()}
+    drafter.train()
+    return summarize(total, max(w, 1e-9))
+
+
+def step_seconds(name, tgt, cache, cfg, batches, probe: int = 4) -> float:
+    """Seconds per optimizer step of a variant: the median of `probe` steps after a warm-up one, on a
+    throwaway copy (the real run starts from the same initialisation)."""
+    drafter, tc = make_drafter(name, tgt, cache, cfg)
+    marks: list[float] = []
+    fit(drafter, batches, tc, probe + 1, lambda step, m: marks.append(time.perf_counter()))
+    return float(torch.tensor([b - a for a, b in zip(marks, marks[1:])]).median())
+
+
+def train_variant(name, tgt, cache, cfg, steps, out_dir, log, curve_every=0, heldout=0.0, budget_s=0.0):
+    domains = parse(name)[5]
+    keep = (lambda s: not held_out(s, heldout)) if heldout else None
+    epoch, seen = [0], [0]
 
     def batches():
         epoch[0] += 1
-        return iter_local(cache, tc.micro_batch, seed=tc.seed, epoch=epoch[0], domains=domains)
+        for b in iter_local(
+            cache, cfg.train.micro_batch, seed=cfg.train.seed, epoch=epoch[0], domains=domains, keep=keep
+        ):
+            seen[0] += int(b["loss_mask"].sum())  # response tokens trained on
+            yield b
 
-    t0 = time.perf_counter()
+    if budget_s:
+        t_step = step_seconds(name, tgt, cache, cfg, batches)
+        steps = max(1, int(budget_s / t_step))
+        log(f"[{name}] {t_step:.2f} s per step: {steps} steps in {budget_s:.0f} s")
+        epoch[0], seen[0] = 0, 0
+    drafter, tc = make_drafter(name, tgt, cache, cfg)
+    held = []
+    if curve_every:
+        held = list(iter_local(cache, tc.micro_batch, domains=domains, keep=lambda s: held_out(s, heldout)))
+        if not held:
+            raise UserError(f"--heldout {heldout} leaves no held-out rows in {cache.uri}")
+    curve: list[dict] = []
+    clock = {"train_s": 0.0, "mark": time.perf_counter()}
+
+    def point(step):
+        m = heldout_metrics(drafter, held, tc)
+        curve.append({"step": step, "tokens": seen[0], "train_s": clock["train_s"], **m})
+        log(
+            f"[{name}] step {step:4d} held-out expected tau {m['expected_tau']:.3f} "
+            f"accept_1 {m['accept_1']:.3f} ({seen[0]} tokens, {clock['train_s']:.0f}s)"
+        )
+
+    if curve_every:
+        point(0)
+        clock["mark"] = time.perf_counter()
 
     def progress(step, m):
-        if step % 50 == 0 or step == steps - 1:
+        clock["train_s"] += time.perf_counter() - clock["mark"]
+        if curve_every and ((step + 1) % curve_every == 0 or step == steps - 1):
+            point(step + 1)
+        elif step % 50 == 0 or step == steps - 1:
             log(
                 f"[{name}] step {step:4d} loss {m['loss']:.4f} expected tau {m['expected_tau']:.3f} "
-                f"accept_1 {m['accept_1']:.3f} {m['tokens_per_s']:.0f} tok/s ({time.perf_counter() - t0:.0f}s)"
+                f"accept_1 {m['accept_1']:.3f} {m['tokens_per_s']:.0f} tok/s ({clock['train_s']:.0f}s)"
             )
+        clock["mark"] = time.perf_counter()
 
     hist = fit(drafter, batches, tc, steps, progress)
     save_drafter(drafter, out_dir / name)
     return drafter, {
         "params": count_params(drafter),
-        "train_s": time.perf_counter() - t0,
+        "steps": steps,
+        "train_s": clock["train_s"],
+        "tokens": seen[0],
         "final": hist[-1],
         "epochs": epoch[0],
+        "curve": curve,
     }
+
+
+def plot_curves(info: dict, path: Path) -> None:
+    """Held-out expected tau against response tokens trained on and against training seconds."""
+    fig, axes = plots.figure(1, 2, (11, 4))
+    for name, v in info.items():
+        c = v.get("curve") or []
+        if c:
+            axes[0][0].plot([x["tokens"] for x in c], [x["expected_tau"] for x in c], "-o", ms=2, label=name)
+            axes[0][1].plot([x["train_s"] for x in c], [x["expected_tau"] for x in c], "-o", ms=2, label=name)
+    axes[0][0].set_xlabel("response tokens trained on")
+    axes[0][1].set_xlabel("training seconds")
+    for ax in axes[0]:
+        ax.set_ylabel("held-out expected tau (T=1, teacher-forced)")
+    plots.finish(fig, path, axes[0])
 
 
 def main(argv=None):
@@ -118,6 +215,11 @@ def main(argv=None):
     p.add_argument("--variants", default="eagle3,dflash,dspark,dspark_rnn")
     p.add_argument("--out", default="results/comparison")
     p.add_argument("--eval-only", action="store_true", help="evaluate drafters already trained into --out")
+    p.add_argument(
+        "--budget-s", type=float, default=0.0, help="equal wall-clock training per variant (overrides --steps)"
+    )
+    p.add_argument("--curve-every", type=int, default=0, help="held-out expected tau every N steps (learning curves)")
+    p.add_argument("--heldout", type=float, default=0.1, help="fraction of cache rows held out for the curves")
     p.add_argument(
         "--gammas", default="", help="static verification lengths to also evaluate _g15 variants at, e.g. 3,7,15"
     )
@@ -140,8 +242,21 @@ def main(argv=None):
         if args.eval_only or (out / name / "model.safetensors").exists():
             drafters[name] = load_drafter(out / name, tgt.model, tgt.weights_sha256)
             continue
-        drafters[name], info[name] = train_variant(name, tgt, caches[parse(name)[4]], cfg, args.steps, out, print)
+        drafters[name], info[name] = train_variant(
+            name,
+            tgt,
+            caches[parse(name)[4]],
+            cfg,
+            args.steps,
+            out,
+            print,
+            args.curve_every,
+            args.heldout if args.curve_every else 0.0,
+            args.budget_s,
+        )
         (out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
+    if any(v.get("curve") for v in info.values()):
+        plot_curves(info, out / "learning_curves.png")
     corpus = Corpus.load(cfg.corpus)
     groups: dict[int, dict] = {}
     for name, d in drafters.items():
@@ -208,7 +323,7 @@ def ratio_table(rows: list[dict]) -> str:
         "",
     ]
     lines[1] = "|" + "---|" * (len(lines[0].split("|")) - 2)
-    for dom in ("code", "prose"):
+    for dom in sorted({r["domain"] for r in rows}):
         for t in sorted({r["temperature"] for r in rows}):
             names = sorted({r["drafter"] for r in rows if r["gamma"]})
             taus = [by.get((n, dom, t), float("nan")) for n in names]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -234,10 +235,11 @@ def iter_local(
     shards: list[ShardStats] | None = None,
     dtype: torch.dtype = torch.float32,
     domains: tuple[str, ...] | None = None,
+    keep: Callable[[str], bool] | None = None,
 ):
     """Single-process streaming reader (tests, offline experiments): shards in a seeded order, rows
     shuffled within each shard, one shard in memory at a time; yields decoded batches (of the rows
-    whose `domain` is in `domains`, when given)."""
+    whose `domain` is in `domains` and for whose `seq_id` keep(seq_id) holds, when given)."""
     rng = np.random.default_rng(seed * 1_000_003 + epoch)
     shards = list(shards if shards is not None else cache.manifest.shards)
     for i in rng.permutation(len(shards)):
@@ -248,6 +250,8 @@ def iter_local(
         order = rng.permutation(table.num_rows)
         if domains is not None:
             order = [t for t in order if rows["domain"][t] in domains]
+        if keep is not None:
+            order = [t for t in order if keep(rows["seq_id"][t])]
         for j in range(0, len(order), batch_size):
             idx = order[j : j + batch_size]
             yield decode_batch({k: [v[t] for t in idx] for k, v in rows.items()}, cache.manifest, dtype)
