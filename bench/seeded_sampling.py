@@ -17,7 +17,6 @@ from dspark.corpus.sources import Corpus
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.models import fetch_drafter
-from dspark.storage import Storage
 
 
 def main(argv=None):
@@ -28,7 +27,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     tgt = targets.load_from_config(cfg.target)
-    drafter = fetch_drafter(args.drafter, Storage.from_config(cfg.storage), tgt)
+    drafter = fetch_drafter(cfg, args.drafter, tgt)
     gamma = cfg.eval.gamma or drafter.c.gamma
     corpus = Corpus.load(cfg.corpus)
     print("| domain | sampling | rounds | tau | conditional acceptance by position |\n|---|---|---|---|---|")

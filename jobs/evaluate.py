@@ -30,22 +30,21 @@ def main(argv=None):
     cfg = config_from_args(args)
     from dspark import evaluation, tracking
     from dspark import target as targets
+    from dspark.artifacts import download_drafter
     from dspark.calibration import sts
     from dspark.corpus.sources import Corpus
     from dspark.errors import UserError
     from dspark.models import load_drafter
-    from dspark.storage import Storage
 
     if not args.drafter:
         raise UserError("--drafter NAME=PATH: give at least one drafter to evaluate")
     tgt = targets.load_from_config(cfg.target)
-    storage = Storage.from_config(cfg.storage)
     drafters, paths = {}, {}
     for spec in args.drafter:
         name, sep, path = spec.partition("=")
         if not sep:
             raise UserError(f"--drafter {spec!r}: expected NAME=PATH")
-        local = storage.download_dir(path, Path(cfg.eval.out_dir) / "drafters" / name)
+        local = download_drafter(cfg, path, Path(cfg.eval.out_dir) / "drafters" / name)
         drafters[name] = load_drafter(local, tgt.model, tgt.weights_sha256)
         paths[name] = local
         if sts.load(local):

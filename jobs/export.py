@@ -38,14 +38,13 @@ def main(argv=None):
 
     from dspark import export
     from dspark import target as targets
+    from dspark.artifacts import download_drafter
     from dspark.models import load_drafter
-    from dspark.storage import Storage
 
     tgt = targets.load_from_config(cfg.target)
-    storage = Storage.from_config(cfg.storage)
-    verifier = args.verifier or (tgt.name if tgt.revision else tgt.path)  # a hub id, else the local folder
+    verifier = args.verifier or export.default_verifier(tgt)
     with tempfile.TemporaryDirectory(prefix="drafter-") as d:
-        local = storage.download_dir(args.drafter, d)
+        local = download_drafter(cfg, args.drafter, d)
         drafter = load_drafter(local, tgt.model, tgt.weights_sha256)
         out = export.export_speculators(drafter, tgt, args.out, verifier, getattr(torch, args.dtype), local)
     kind = export.algorithm(drafter)

@@ -33,10 +33,9 @@ def main(argv=None):
     from dspark import target as targets
     from dspark.decoding.profile import profile
     from dspark.models import fetch_drafter
-    from dspark.storage import Storage
 
     tgt = targets.load_from_config(cfg.target)
-    drafter = fetch_drafter(args.drafter, Storage.from_config(cfg.storage), tgt) if args.drafter else None
+    drafter = fetch_drafter(cfg, args.drafter, tgt) if args.drafter else None
     table = profile(
         tgt.model,
         [int(b) for b in args.batches.split(",")],

@@ -158,12 +158,12 @@ class SpeculativeEngine:
         import torch
 
         from dspark import target as targets
+        from dspark.artifacts import download_drafter
         from dspark.calibration import sts
         from dspark.decoding.engine import Engine
         from dspark.decoding.profile import add_draft_times, profile
         from dspark.models import load_drafter
         from dspark.scheduling.sps import SPSTable
-        from dspark.storage import Storage
 
         cfg = _cfg(cfg_json)
         sc = cfg.serve
@@ -175,7 +175,7 @@ class SpeculativeEngine:
             import tempfile
 
             with tempfile.TemporaryDirectory(prefix="drafter-") as d:  # weights are in memory once loaded
-                local = Storage.from_config(cfg.storage).download_dir(sc.drafter_uri, d)
+                local = download_drafter(cfg, sc.drafter_uri, d)
                 drafter = load_drafter(local, tgt.model, tgt.weights_sha256)
                 start = sts.load(local)
         self.gamma = sc.gamma or (drafter.c.gamma if drafter is not None else 1)
@@ -520,13 +520,13 @@ def _drafter_calibration(cfg):
     refused here, before anything is deployed."""
     import tempfile
 
+    from dspark.artifacts import download_drafter
     from dspark.calibration import sts
     from dspark.errors import UserError
     from dspark.models import CONFIG_FILE, DrafterConfig
-    from dspark.storage import Storage
 
     with tempfile.TemporaryDirectory(prefix="drafter-") as d:  # the two small files, not the weights
-        local = Storage.from_config(cfg.storage).download_dir(cfg.serve.drafter_uri, d, only=(CONFIG_FILE, sts.FILE))
+        local = download_drafter(cfg, cfg.serve.drafter_uri, d, only=(CONFIG_FILE, sts.FILE))
         if not (local / CONFIG_FILE).is_file():
             raise UserError(f"serve.drafter_uri: no drafter at {cfg.serve.drafter_uri} (no {CONFIG_FILE})")
         gamma = cfg.serve.gamma or DrafterConfig.load(local / CONFIG_FILE).gamma

@@ -248,11 +248,20 @@ class ServeConfig(Section):
         return v
 
 
+DEFAULT_TRACKING_URI = f"sqlite:///{LOCAL_DIR / 'mlflow' / 'mlflow.db'}"
+
+
 class MLflowConfig(Section):
-    tracking_uri: str = f"sqlite:///{LOCAL_DIR / 'mlflow' / 'mlflow.db'}"
+    # MLFLOW_TRACKING_URI when set, else SQLite under the checkout's state folder
+    tracking_uri: str = Field(default_factory=lambda: os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI)
     experiment: str = "dspark"
     artifact_location: Optional[str] = None  # None = <LOCAL_DIR>/mlflow/artifacts
     enabled: bool = True
+    # the model registry: a trained drafter (weights, calibration, speculators export) becomes a version of
+    # this registered model with `alias` pointing at it; None = "<cache.name>-<train.drafter>", "" = do not register.
+    # models:/NAME@ALIAS or models:/NAME/VERSION is then accepted wherever a drafter URI is
+    registered_model: Optional[str] = None
+    alias: str = "candidate"
 
 
 class RayConfig(Section):

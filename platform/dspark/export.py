@@ -166,6 +166,11 @@ def config(drafter: Drafter, target_config, verifier: str) -> dict:
     return out
 
 
+def default_verifier(target) -> str:
+    """What config.json names as the verifier: a hub target's id, else its local folder."""
+    return target.name if target.revision else target.path
+
+
 def export_speculators(
     drafter: Drafter, target, out_dir: str | Path, verifier: str, dtype: torch.dtype = torch.bfloat16, drafter_dir=None
 ) -> Path:

@@ -151,3 +151,48 @@ def run(cfg: Config, run_name: str, run_id: str | None = None, tags: dict | None
             yield tracker
         finally:
             tracker.flush()
+
+
+def _client(cfg: Config):
+    os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+    import mlflow
+
+    return mlflow.MlflowClient(tracking_uri=cfg.mlflow.tracking_uri, registry_uri=cfg.mlflow.tracking_uri)
+
+
+def register_drafter(cfg: Config, run_id: str, local_dir: str | Path, name: str, alias: str) -> str:
+    """The drafter folder (weights, config, calibration, exports) logged into run `run_id` as "drafter"
+    and registered as a new version of model `name`, `alias` moved to it. Returns models:/name/version."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(cfg)
+    client.log_artifacts(run_id, str(local_dir), "drafter")
+    source = client.get_run(run_id).info.artifact_uri.rstrip("/") + "/drafter"
+    try:
+        client.create_registered_model(name, description="DSpark-platform drafters (jobs/train_dspark.py)")
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    version = client.create_model_version(name, source, run_id=run_id).version
+    if alias:
+        client.set_registered_model_alias(name, alias, version)
+    return f"models:/{name}/{version}"
+
+
+def model_source(cfg: Config, uri: str) -> str:
+    """models:/NAME@ALIAS or models:/NAME/VERSION -> the storage URI of that version's files."""
+    from mlflow.exceptions import MlflowException
+
+    ref = uri[len("models:/") :]
+    name, at, alias = ref.partition("@")
+    if not at:
+        name, _, alias = ref.rpartition("/")
+    if not name or not alias:
+        raise UserError(f"{uri}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
+    client = _client(cfg)
+    try:
+        mv = client.get_model_version_by_alias(name, alias) if at else client.get_model_version(name, alias)
+    except MlflowException as e:
+        why = e.message.splitlines()[0]
+        raise UserError(f"{uri}: not in the model registry at {cfg.mlflow.tracking_uri} ({why})") from None
+    return mv.source

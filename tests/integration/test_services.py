@@ -69,6 +69,33 @@ def test_mlflow_run_logged_and_read_back(mlflow_config, tmp_path):
     assert len(client.get_metric_history(run_id, "loss")) == 6
 
 
+def test_registered_drafters_resolve_by_alias_and_version(mlflow_config, tmp_path, monkeypatch):
+    from dspark import artifacts, tracking
+    from dspark.config import load_config
+
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    with tracking.run(mlflow_config, "registry") as t:
+        run_id = t.run_id
+    for version in (1, 2):
+        (folder / "config.json").write_text(f'{{"version": {version}}}')
+        uri = tracking.register_drafter(mlflow_config, run_id, folder, "builtin-dspark", "candidate")
+        assert uri == f"models:/builtin-dspark/{version}"
+    # the alias follows the newest version (a rerun of one run re-registers that run's files)
+    got = artifacts.download_drafter(mlflow_config, "models:/builtin-dspark@candidate", tmp_path / "a")
+    assert (got / "config.json").read_text() == '{"version": 2}'
+    pinned = artifacts.download_drafter(mlflow_config, "models:/builtin-dspark/1", tmp_path / "v")
+    assert (pinned / "config.json").exists()
+    with pytest.raises(UserError, match=r"models:/builtin-dspark@prod: not in the model registry at sqlite:"):
+        artifacts.download_drafter(mlflow_config, "models:/builtin-dspark@prod", tmp_path / "b")
+    with pytest.raises(UserError, match="expected models:/NAME@ALIAS or models:/NAME/VERSION"):
+        artifacts.download_drafter(mlflow_config, "models:/builtin-dspark", tmp_path / "c")
+    # MLFLOW_TRACKING_URI is the default store; a setting still wins
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_config.mlflow.tracking_uri)
+    assert load_config().mlflow.tracking_uri == mlflow_config.mlflow.tracking_uri
+    assert load_config(overrides=["mlflow.tracking_uri=http://127.0.0.1:5000"]).mlflow.tracking_uri.startswith("http")
+
+
 def test_ray_job_submit(ray_head, tmp_path):
     env = {**os.environ, **ray_head.env}
     script = "import ray; ray.init(); print('cpus', ray.cluster_resources()['CPU'])"

@@ -162,6 +162,17 @@ def test_object_store_outage_during_streaming_does_not_fail_the_run(reference, m
     assert json.loads((folder / "config.json").read_text())["draft_vocab"] == 1024
     ids = load_file(str(folder / "model.safetensors"))["draft_ids"]
     assert ids.dtype == torch.int64 and ids.shape == (1024,) and bool((ids[1:] > ids[:-1]).all())
+    # the drafter, with its speculators export, is the newest version of the registered model
+    from dspark.artifacts import download_drafter
+    from dspark.config import load_config
+
+    assert re.search(r"\[train\] registered models:/small-dspark/\d+ \(alias candidate", reference["logs"])
+    assert client.get_model_version_by_alias("small-dspark", "candidate").run_id == run.info.run_id
+    cfg = load_config(overrides=[*SMALL_CACHE, f"mlflow.tracking_uri=sqlite:///{mlflow_db}"])
+    got = download_drafter(cfg, "models:/small-dspark@candidate", tmp_path / "registered")
+    assert torch.equal(load_file(str(got / "model.safetensors"))["draft_ids"], ids)
+    spec = Path(client.download_artifacts(run.info.run_id, "drafter/speculators", str(tmp_path / "spec")))
+    assert json.loads((spec / "config.json").read_text())["speculators_model_type"] == "dspark"
 
 
 def test_two_workers_zero2_from_s3_survive_a_killed_worker(ray_head, reference, mlflow_db, jobs):

@@ -65,11 +65,13 @@ def load_drafter(path: str | Path, target_model, target_hash: str | None = None,
     return drafter.to(device=next(target_model.parameters()).device, dtype=dtype).eval()
 
 
-def fetch_drafter(uri: str, storage, target) -> Drafter:
-    """The drafter folder at `uri` (any storage URI), downloaded and loaded for `target` (a loaded
-    target: its model and weights hash); only its weights in memory remain."""
+def fetch_drafter(cfg, uri: str, target) -> Drafter:
+    """The drafter at `uri` (a storage URI or models:/NAME@ALIAS), downloaded and loaded for `target`
+    (a loaded target: its model and weights hash); only its weights in memory remain."""
+    from dspark.artifacts import download_drafter
+
     with tempfile.TemporaryDirectory(prefix="drafter-") as d:
-        return load_drafter(storage.download_dir(uri, d), target.model, target.weights_sha256)
+        return load_drafter(download_drafter(cfg, uri, d), target.model, target.weights_sha256)
 
 
 def count_params(drafter: Drafter) -> int:

@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 
 from dspark import target as targets
 from dspark import tracking
+from dspark.artifacts import download_drafter
 from dspark.cache.format import Manifest
 from dspark.cache.read import decode_batch
 from dspark.config import Config
@@ -274,7 +275,7 @@ def train_loop_per_worker(config: dict) -> None:
     drafter = drafter_for(cfg, manifest.layers, manifest.target, device, config.get("draft_ids"))
     if tc.warm_start:  # weights only: a fresh optimizer, scheduler and step count
         with tempfile.TemporaryDirectory() as d:
-            local = config["storage"].download_dir(tc.warm_start, d)
+            local = download_drafter(cfg, tc.warm_start, d)
             drafter.load_state_dict(load_file(str(local / WEIGHTS_FILE)))
     engine, scheduler = _engine(cfg, drafter, world, cuda, total)
     pos = _resume(engine)
