@@ -511,8 +511,24 @@ def build(args: dict) -> serve.Application:
         calibration = CalibrationActor.options(name=f"calibration-{cfg.serve.model_name}").bind(
             cfg_json, gamma, start.to_dict() if start else None
         )
-    engine = SpeculativeEngine.options(num_replicas=cfg.serve.num_replicas).bind(cfg_json, calibration)
+    engine = SpeculativeEngine.options(**engine_options(cfg)).bind(cfg_json, calibration)
     return Ingress.bind(cfg_json, engine, calibration)
+
+
+def engine_options(cfg) -> dict:
+    """Serve options of the engine deployment: one GPU per replica when the target runs on CUDA; a fixed
+    number of replicas, or autoscaling on ongoing requests (serve.autoscaling.max_replicas > 0)."""
+    sc, a = cfg.serve, cfg.serve.autoscaling
+    opts: dict = {"ray_actor_options": {"num_cpus": 1, "num_gpus": 1 if cfg.target.device.startswith("cuda") else 0}}
+    if not a.max_replicas:
+        return {**opts, "num_replicas": sc.num_replicas}
+    if a.min_replicas > a.max_replicas:
+        from dspark.errors import UserError
+
+        raise UserError(f"serve.autoscaling.min_replicas={a.min_replicas} exceeds max_replicas={a.max_replicas}")
+    target = a.target_ongoing_requests or sc.max_batch
+    scaling = {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas, "target_ongoing_requests": target}
+    return {**opts, "num_replicas": None, "autoscaling_config": scaling}
 
 
 def _drafter_calibration(cfg):

@@ -209,6 +209,14 @@ class EvalConfig(Section):
     out_dir: str = str(REPO_ROOT / "results")
 
 
+class AutoscalingConfig(Section):
+    """Ray Serve autoscaling of the engine replicas on ongoing requests (off while max_replicas is 0)."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(0, ge=0)  # 0 = off: serve.num_replicas engine replicas
+    target_ongoing_requests: Optional[float] = Field(None, gt=0)  # None = serve.max_batch (a replica's KV slots)
+
+
 class ServeConfig(Section):
     """Ray Serve application (serving/)."""
 
@@ -227,6 +235,7 @@ class ServeConfig(Section):
     max_queue: int = Field(32, ge=0)  # waiting requests per replica before 429
     max_tokens_default: int = Field(128, ge=1)
     num_replicas: int = Field(1, ge=1)
+    autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     sps_table: str = ""  # "" = profile SPS(B) at engine start; else a JSON table measured elsewhere
     sps_batches: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 12, 16, 24, 32, 48, 64])
     calibration: bool = True  # online calibration actor (refits STS temperatures from live outcomes)

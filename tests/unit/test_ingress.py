@@ -291,3 +291,26 @@ def test_bad_bodies_are_400_without_a_key(monkeypatch):
         route = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
         r = c.post(route, content=body, headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and named in r.json()["error"]["message"], (body, r.text)
+
+
+def test_engine_deployment_reserves_a_gpu_on_cuda_and_autoscales_when_asked():
+    cpu = serving.engine_options(load_config(overrides=["serve.num_replicas=2"]))
+    assert cpu == {"ray_actor_options": {"num_cpus": 1, "num_gpus": 0}, "num_replicas": 2}
+    cfg = load_config(
+        overrides=[
+            "target.device=cuda",
+            "serve.max_batch=64",
+            "serve.autoscaling.max_replicas=4",
+            "serve.num_replicas=3",
+        ]
+    )
+    opts = serving.engine_options(cfg)
+    assert opts["ray_actor_options"]["num_gpus"] == 1
+    # one replica's KV slots is the load it scales on, unless set
+    assert opts["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 64}
+    d = serving.SpeculativeEngine.options(**opts)  # what Serve accepts: no fixed count beside autoscaling
+    assert d.ray_actor_options["num_gpus"] == 1
+    with pytest.raises(Exception, match="min_replicas=5 exceeds max_replicas=4"):
+        serving.engine_options(
+            load_config(overrides=["serve.autoscaling.min_replicas=5", "serve.autoscaling.max_replicas=4"])
+        )

@@ -64,3 +64,37 @@ def test_serve_configs_build_the_real_application_with_valid_settings():
         assert callable(getattr(importlib.import_module(module), attr)), path
         cfg = load_config(overrides=app["args"]["overrides"])
         assert cfg.serve.drafter_uri, path
+
+
+def _containers(node):
+    """Every container spec in a manifest (head, workers, submitter)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == "containers":
+                yield from v
+            else:
+                yield from _containers(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _containers(v)
+
+
+def test_pods_run_the_project_image_and_clusters_autoscale():
+    dockerfile = (ROOT / "infra/docker/Dockerfile").read_text()
+    assert "pip install --no-cache-dir ." in dockerfile and "COPY --chown=ray:users jobs jobs" in dockerfile
+    for name in ("raycluster.yaml", "rayjob-train.yaml", "rayservice.yaml"):
+        doc = yaml.safe_load((ROOT / "infra/k8s" / name).read_text())
+        images = {c["image"] for c in _containers(doc)}
+        assert images == {"ghcr.io/your-org/dspark:0.1.0"}, name  # nothing installed at pod start
+        assert not any("pip install" in " ".join(c.get("args", [])) for c in _containers(doc)), name
+        cluster = doc["spec"].get("rayClusterSpec") or doc["spec"].get("rayClusterConfig") or doc["spec"]
+        assert cluster["enableInTreeAutoscaling"] is True, name
+    job = yaml.safe_load((ROOT / "infra/k8s/rayjob-train.yaml").read_text())["spec"]
+    assert yaml.safe_load(job["runtimeEnvYAML"])["working_dir"] == "/home/ray/dspark"
+    assert job["submitterConfig"]["backoffLimit"] >= 1
+    svc = yaml.safe_load((ROOT / "infra/k8s/rayservice.yaml").read_text())
+    app = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"][0]
+    from serving.app import engine_options
+
+    opts = engine_options(load_config(overrides=app["args"]["overrides"]))
+    assert opts["ray_actor_options"]["num_gpus"] == 1 and opts["autoscaling_config"]["max_replicas"] == 4
