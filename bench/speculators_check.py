@@ -7,8 +7,9 @@ so it imports nothing from this project:
     .local/venvs/speculators/bin/python bench/speculators_check.py EXPORT_DIR --verifier TARGET_FOLDER
 
 The block is computed the way speculators' DFlash/DSpark backbone does it (context = hidden_norm(fc(aux))
-at positions < p, the block [x_p, MASK, ...] at positions p.., non-causal inside the block), from the
-loaded modules: a wrong key, layer id or vocabulary order shows up as a difference.
+at positions < p, the block [x_p, MASK, ...] at positions p.., non-causal inside the block), and for
+EAGLE-3 its first drafting step at every position, from the loaded modules: a wrong key, layer id or
+vocabulary order shows up as a difference.
 """
 
 import argparse
@@ -64,6 +65,17 @@ def verifier_aux(verifier: str, ids: torch.Tensor, layer_ids: list[int]) -> torc
     return torch.cat([got[k] for k in sorted(layer_ids)], -1)
 
 
+@torch.no_grad()
+def eagle3_step0(m, aux: torch.Tensor, ids: torch.Tensor):
+    """EAGLE-3's first drafting step at every position t: taps at t with token t+1 -> (T-1, V_d) logits."""
+    x = torch.cat([m.embed_tokens(ids[:, 1:]), m.fc(aux[:, :-1])], -1)
+    pos = 1 + torch.arange(x.shape[1])[None]
+    pe = m.rotary_emb(x, pos)
+    for layer in m.layers:  # causal (sdpa, no mask)
+        x = layer(x, attention_mask=None, position_ids=pos, position_embeddings=pe)
+    return m.lm_head(m.norm(x))[0], None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("export_dir")
@@ -82,11 +94,15 @@ def main():
     tol = args.tol or (1e-3 if dtype == torch.float32 else 0.5)
     ok = True
     if Path(verifier).is_dir():  # the tap-layer convention: the verifier's own hidden states at the exported ids
-        aux = verifier_aux(verifier, ref["input_ids"], list(m.config.aux_hidden_state_layer_ids))
+        ids = getattr(cfg, "aux_hidden_state_layer_ids", None) or cfg.eagle_aux_hidden_state_layer_ids
+        aux = verifier_aux(verifier, ref["input_ids"], list(ids))
         adiff = (aux - ref["aux"]).abs().max().item()
-        print(f"verifier hidden states at aux ids {m.config.aux_hidden_state_layer_ids}: max abs diff {adiff:.2e}")
+        print(f"verifier hidden states at aux ids {list(ids)}: max abs diff {adiff:.2e}")
         ok = adiff <= 1e-3 * max(1.0, ref["aux"].abs().max().item())
-    logits, conf = block(m, ref["aux"], ref["input_ids"], int(ref["anchor"]))
+    if cfg.speculators_model_type == "eagle3":
+        logits, conf = eagle3_step0(m, ref["aux"], ref["input_ids"])
+    else:
+        logits, conf = block(m, ref["aux"], ref["input_ids"], int(ref["anchor"]))
     diff = (logits - ref["logits"]).abs().max().item()
     agree = (logits.argmax(-1) == ref["logits"].argmax(-1)).tolist()
     print(f"{type(m).__name__} from {path} ({dtype}): draft logits {tuple(logits.shape)}, max abs diff {diff:.2e}")

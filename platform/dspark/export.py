@@ -1,5 +1,5 @@
 """A trained drafter in the `speculators` layout (the format vLLM documents for speculative decoding;
-speculators 0.9's DSparkDraftModel / DFlashDraftModel load it).
+speculators 0.9's DSparkDraftModel / DFlashDraftModel / Eagle3DraftModel load it).
 
 What maps one to one (our name -> speculators name):
 
@@ -9,6 +9,7 @@ What maps one to one (our name -> speculators name):
     backbone.layers.i.post_norm         layers.i.post_attention_layernorm
     backbone.layers.i.{gate,up,down}    layers.i.mlp.{gate,up,down}_proj
     backbone.norm                       norm
+    (EAGLE-3) fc / hidden_norm / layer  fc / layers.0.hidden_norm / layers.0.*   (q/k/v read 2d)
     markov.W1 / markov.W2               markov_head.markov_w1 / markov_w2     (vanilla head)
     confidence.proj                     confidence_head.proj
     draft_ids                           lm_head = the target's rows, d2t (target = draft + d2t[draft]), t2d
@@ -23,8 +24,8 @@ Conventions that differ and are converted here:
   also speculators' order (it rebuilds lm_head from the verifier as lm_head[t2d]).
 
 Not carried over: the per-position calibration (STS temperatures and offsets) has no field in the
-format; it is copied beside the weights as calibration.json. Our gated and rnn Markov heads and our
-EAGLE-3 variant (not the standard EAGLE-3 layer) are refused with an error naming them.
+format; it is copied beside the weights as calibration.json. Our gated and rnn Markov heads are
+refused with an error naming them (vLLM builds only the vanilla head).
 """
 
 from __future__ import annotations
@@ -65,14 +66,18 @@ TOP_KEYS = {
 }
 
 
+EAGLE3_KEYS = {
+    "fc.weight": "fc.weight",
+    "hidden_norm.weight": "layers.0.hidden_norm.weight",
+    "norm.weight": "norm.weight",
+}
+
+
 def algorithm(drafter: Drafter) -> str:
     """speculators_model_type of a drafter, or a UserError naming what cannot be exported."""
     c = drafter.c
     if c.kind == "eagle3":
-        raise UserError(
-            "export: this EAGLE-3 drafter is not the standard EAGLE-3 layer (input projection instead of "
-            "2H-wide attention inputs), so no engine can load it; export a dspark or dflash drafter"
-        )
+        return "eagle3"
     if c.markov not in ("vanilla", "none"):
         raise UserError(
             f"export: the {c.markov!r} Markov head has no counterpart in the speculators layout (vLLM builds "
@@ -86,9 +91,12 @@ def aux_layer_ids(tap_layers: list[int]) -> list[int]:
     return [i + 1 for i in tap_layers]
 
 
-def state_dict(drafter: Drafter, lm_head: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Our weights under speculators' names; lm_head (V, d) is the target's output embedding."""
-    algorithm(drafter)
+def state_dict(drafter: Drafter, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Our weights under speculators' names, with the target's (frozen) lm_head rows of the draft
+    vocabulary; EAGLE-3 also carries the target's embedding and lm_head (speculators' Eagle3DraftModel
+    does not take them from the verifier)."""
+    c_kind = algorithm(drafter)
+    lm_head = drafter.head.lm_head_weight.detach().float().cpu()  # (V, d)
     out: dict[str, torch.Tensor] = {}
     for k, v in drafter.state_dict().items():
         if k == "draft_ids":
@@ -96,6 +104,11 @@ def state_dict(drafter: Drafter, lm_head: torch.Tensor, dtype: torch.dtype = tor
         if k.startswith("backbone.layers."):
             _, _, i, mod, param = k.split(".")
             name = f"layers.{i}.{LAYER_KEYS[mod]}.{param}"
+        elif k.startswith("layer."):  # EAGLE-3's single layer
+            _, mod, param = k.split(".")
+            name = f"layers.0.{LAYER_KEYS[mod]}.{param}"
+        elif c_kind == "eagle3":
+            name = EAGLE3_KEYS[k]
         else:
             name = TOP_KEYS[k]
         out[name] = v
@@ -106,6 +119,10 @@ def state_dict(drafter: Drafter, lm_head: torch.Tensor, dtype: torch.dtype = tor
         out["lm_head.weight"] = lm_head[ids]  # (V_d, d)
         out["d2t"] = ids - torch.arange(len(ids))  # target id = draft id + d2t[draft id]
         out["t2d"] = torch.zeros(lm_head.shape[0], dtype=torch.bool).index_fill_(0, ids, True)
+    elif c_kind == "eagle3":
+        out["lm_head.weight"] = lm_head.clone()  # a tied target shares it with the embedding
+    if c_kind == "eagle3":
+        out["embed_tokens.weight"] = drafter.head.embed_weight.detach().float().cpu().clone()
     return {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in out.items()}
 
 
@@ -116,7 +133,7 @@ def config(drafter: Drafter, target_config, verifier: str) -> dict:
         "model_type": "qwen3",  # our draft layer is Qwen3's (per-head q/k RMSNorm), whatever the target
         "architectures": ["Qwen3ForCausalLM"],
         "hidden_size": c.hidden_size,
-        "num_hidden_layers": c.num_layers,
+        "num_hidden_layers": 1 if kind == "eagle3" else c.num_layers,
         "num_attention_heads": c.num_heads,
         "num_key_value_heads": c.num_kv_heads,
         "head_dim": c.head_dim,
@@ -131,7 +148,9 @@ def config(drafter: Drafter, target_config, verifier: str) -> dict:
     }
     out = {
         "speculators_model_type": kind,
-        "architectures": ["DSparkDraftModel" if kind == "dspark" else "DFlashDraftModel"],
+        "architectures": [
+            {"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel", "eagle3": "Eagle3DraftModel"}[kind]
+        ],
         "speculators_version": SPECULATORS_VERSION,
         "speculators_config": {
             "algorithm": kind,
@@ -149,13 +168,26 @@ def config(drafter: Drafter, target_config, verifier: str) -> dict:
         "transformer_layer_config": layer,
         "draft_vocab_size": c.draft_vocab or c.vocab_size,
         "target_hidden_size": None,
-        "block_size": c.gamma,
-        "aux_hidden_state_layer_ids": aux_layer_ids(c.tap_layers),
-        "mask_token_id": c.mask_token_id,
-        "sample_from_anchor": True,
-        "sliding_window_non_causal": False,
         "tie_word_embeddings": False,
     }
+    if kind == "eagle3":  # our layer: residual from g (not its norm), no norms around fc, none on the output
+        out.update(
+            eagle_aux_hidden_state_layer_ids=aux_layer_ids(c.tap_layers),
+            norm_before_residual=False,
+            norm_before_fc=False,
+            fc_norm=False,
+            norm_output=False,
+        )
+        return out
+    out.update(
+        {
+            "block_size": c.gamma,
+            "aux_hidden_state_layer_ids": aux_layer_ids(c.tap_layers),
+            "mask_token_id": c.mask_token_id,
+            "sample_from_anchor": True,
+            "sliding_window_non_causal": False,
+        }
+    )
     if kind == "dspark":
         out.update(
             markov_rank=c.markov_rank,
@@ -177,8 +209,7 @@ def export_speculators(
     """Write config.json + model.safetensors (+ calibration.json when the drafter folder has one)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lm_head = target.model.get_output_embeddings().weight.detach().float().cpu()
-    weights = state_dict(drafter, lm_head, dtype)
+    weights = state_dict(drafter, dtype)
     (out / "config.json").write_text(json.dumps(config(drafter, target.model.config, verifier), indent=2) + "\n")
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     if drafter_dir and (Path(drafter_dir) / "calibration.json").is_file():
@@ -190,14 +221,25 @@ def export_speculators(
 def reference(drafter: Drafter, target, ids: list[int], anchor: int) -> dict[str, torch.Tensor]:
     """Inputs and our outputs for one block, for a loader of the export to reproduce (float32):
     aux (1, T, m·d) the tapped layers in ascending order as vLLM concatenates them, input_ids (1, T),
-    the anchor position p, the block's draft logits (gamma, V_d) over the exported (sorted) draft
-    vocabulary with the Markov bias of the teacher tokens x_p..x_{p+gamma-1}, and the confidence logits."""
+    the anchor position p, the block's draft logits (gamma, V_d) with the Markov bias of the teacher
+    tokens x_p..x_{p+gamma-1}, and the confidence logits; for EAGLE-3 the first drafting step's logits
+    at every position (T-1, V_d)."""
     c = drafter.c
     if not 0 < anchor <= len(ids) - c.gamma:
         raise ValueError(f"anchor {anchor} needs {c.gamma} tokens from it in a sequence of {len(ids)}")
     feats, _ = extract(target.model, ids, c.tap_layers)  # (T, m, d)
     x = torch.tensor([ids])
     d = drafter.float()
+    if c.kind == "eagle3":  # step 0 at every position t: (taps at t, x_{t+1}) -> logits for x_{t+2}
+        T1 = len(ids) - 1
+        causal = torch.tril(torch.ones(T1, T1, dtype=torch.bool))[None, None]
+        h0, _ = d._step(x[:, 1:], d.fusion(feats[None, :-1].float()), torch.arange(T1)[None], None, causal)
+        return {
+            "aux": feats.flatten(-2)[None].float().contiguous(),
+            "input_ids": x,
+            "anchor": torch.tensor([anchor]),
+            "logits": d.logits(d.norm(h0))[0].contiguous(),  # (T-1, V_d)
+        }
     out = d.train_outputs(
         feats[None].float(), x, torch.ones_like(x, dtype=torch.bool), torch.tensor([[anchor]]), c.gamma
     )

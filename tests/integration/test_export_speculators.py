@@ -1,4 +1,4 @@
-"""Exports load in the speculators package (vLLM's documented format) and reproduce our drafters:
+"""Exports (DFlash, DSpark, EAGLE-3) load in the speculators package (vLLM's documented format) and reproduce our drafters:
 bench/speculators_roundtrip.sh makes speculators' own venv (.local/venvs/speculators, once), exports
 each drafter with jobs/export.py --reference and reruns its block there (bench/speculators_check.py)."""
 
@@ -15,11 +15,11 @@ from dspark.models import save_drafter
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_speculators_reproduces_exported_dflash_and_dspark(tmp_path):
+def test_speculators_reproduces_exported_dflash_dspark_and_eagle3(tmp_path):
     tgt = targets.load("builtin")
     ids = torch.arange(3, 4096, 7)  # a draft vocabulary: lm_head rows, d2t and t2d are exported
     paths = []
-    for kind in ("dflash", "dspark"):
+    for kind in ("dflash", "dspark", "eagle3"):
         d = untrained_drafter(tgt, kind, gamma=5, num_layers=2, markov_rank=16, draft_ids=ids)
         save_drafter(d, tmp_path / kind)
         paths.append(str(tmp_path / kind))
@@ -34,9 +34,10 @@ def test_speculators_reproduces_exported_dflash_and_dspark(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
-    assert sum(line == "OK" for line in lines) == 2
+    assert sum(line == "OK" for line in lines) == 3
     assert any(line.startswith("DFlashDraftModel") for line in lines)
     assert any(line.startswith("DSparkDraftModel") for line in lines)
+    assert any(line.startswith("Eagle3DraftModel") for line in lines)
     # the exported aux ids pick, in the verifier itself, exactly the layers the drafter was trained on
     aux = [line for line in lines if line.startswith("verifier hidden states at aux ids [2, 3, 4]")]
-    assert len(aux) == 2 and all(float(line.rsplit(" ", 1)[1]) < 1e-4 for line in aux)
+    assert len(aux) == 3 and all(float(line.rsplit(" ", 1)[1]) < 1e-4 for line in aux)

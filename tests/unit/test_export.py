@@ -31,7 +31,7 @@ def test_dspark_weights_under_speculators_names(tgt):
     ids = torch.arange(0, 4096, 8)  # 512 increasing target ids
     d = untrained_drafter(tgt, "dspark", gamma=5, num_layers=2, markov_rank=16, draft_ids=ids)
     lm_head = tgt.model.get_output_embeddings().weight.detach().float()
-    w = export.state_dict(d, lm_head, torch.bfloat16)
+    w = export.state_dict(d, torch.bfloat16)
     H, V, D = d.c.hidden_size, d.c.vocab_size, len(ids)
     per_layer = {
         "input_layernorm.weight": (H,),
@@ -70,7 +70,7 @@ def test_dspark_weights_under_speculators_names(tgt):
 
 def test_full_vocabulary_leaves_lm_head_to_the_verifier(tgt):
     d = untrained_drafter(tgt, "dflash", gamma=4)
-    w = export.state_dict(d, tgt.model.get_output_embeddings().weight.detach().float())
+    w = export.state_dict(d)
     assert not {"lm_head.weight", "d2t", "t2d"} & set(w) and not any(k.startswith("markov") for k in w)
 
 
@@ -89,11 +89,24 @@ def test_config_states_the_block_semantics(tgt):
     assert c["transformer_layer_config"]["vocab_size"] == tgt.model.config.vocab_size
 
 
-@pytest.mark.parametrize("kind,markov,what", [("eagle3", "none", "EAGLE-3"), ("dspark", "gated", "'gated'")])
-def test_what_no_engine_loads_is_refused_by_name(tgt, kind, markov, what):
-    d = untrained_drafter(tgt, kind, gamma=4, markov=markov)
-    with pytest.raises(UserError, match=what):
-        export.state_dict(d, tgt.model.get_output_embeddings().weight.detach().float())
+@pytest.mark.parametrize("markov", ["gated", "rnn"])
+def test_markov_heads_vllm_does_not_build_are_refused_by_name(tgt, markov):
+    d = untrained_drafter(tgt, "dspark", gamma=4, markov=markov)
+    with pytest.raises(UserError, match=f"the '{markov}' Markov head"):
+        export.state_dict(d)
+
+
+def test_eagle3_is_the_standard_layer_with_its_own_embedding_and_head(tgt):
+    d = untrained_drafter(tgt, "eagle3", gamma=4)
+    w = export.state_dict(d)
+    H, V = d.c.hidden_size, d.c.vocab_size
+    assert tuple(w["fc.weight"].shape) == (H, 3 * H)
+    assert tuple(w["layers.0.self_attn.q_proj.weight"].shape) == (d.c.num_heads * d.c.head_dim, 2 * H)
+    assert {"layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight", "norm.weight"} <= set(w)
+    assert tuple(w["embed_tokens.weight"].shape) == (V, H) and tuple(w["lm_head.weight"].shape) == (V, H)
+    c = export.config(d, tgt.model.config, "/models/target")
+    assert c["speculators_model_type"] == "eagle3" and c["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
+    assert c["norm_before_residual"] is False and c["transformer_layer_config"]["num_hidden_layers"] == 1
 
 
 def test_the_job_writes_an_export_and_its_reference_block(tgt, tmp_path):

@@ -1,8 +1,11 @@
-"""EAGLE-3 baseline: one autoregressive draft layer over fused target features.
+"""EAGLE-3 baseline: the standard EAGLE-3 draft layer over fused target features.
 
-Position t's input is u_t = W_in [norm(emb(x_{t+1})); norm(g_t)] with g_t the fused target features;
-its output predicts x_{t+2}. While drafting, the layer's own output h replaces g for the next
-step (so drafting cost grows linearly with gamma). Training-time test (TTT) reproduces that:
+Position t's context is g_t = fc([taps at t]) (m·d -> d, no norm), paired with the next token x_{t+1}.
+The layer's attention reads [input_norm(emb(x_{t+1})); hidden_norm(g_t)] (2d wide: q/k/v are 2d -> ..),
+its residual stream starts at g_t, and norm(output) predicts x_{t+2}. While drafting, the layer's own
+output h replaces g for the next step (so drafting cost grows linearly with gamma). This is EAGLE-3 as
+speculators / vLLM load it (fc, layers.0.{input_layernorm, hidden_norm, self_attn, mlp}, norm;
+norm_before_residual = false). Training-time test (TTT) reproduces drafting:
 
     step 0: all positions at once, causal attention over real (target-feature) positions
     step k: for each anchor, input [emb(x_{p+k}); h^{k-1}] at position p+k-1, attending to the
@@ -18,23 +21,26 @@ from torch import nn
 
 from dspark.models.config import DrafterConfig
 from dspark.models.drafter import Drafter, DraftState, Proposal, Sampler, pad_states
-from dspark.models.layers import ContextFusion, DraftLayer, FrozenTargetHead
+from dspark.models.layers import DraftLayer, FrozenTargetHead
 
 
 class Eagle3(Drafter):
     def __init__(self, c: DrafterConfig, head: FrozenTargetHead):
         super().__init__(c, head)
         d = c.hidden_size
-        self.fusion = ContextFusion(c)
-        self.norm_e = nn.RMSNorm(d, eps=c.rms_norm_eps)
-        self.norm_h = nn.RMSNorm(d, eps=c.rms_norm_eps)
-        self.w_in = nn.Linear(2 * d, d, bias=False)
-        self.layer = DraftLayer(c)
+        self.fc = nn.Linear(c.m * d, d, bias=False)  # fused taps g (.., m·d) -> (.., d)
+        self.hidden_norm = nn.RMSNorm(d, eps=c.rms_norm_eps)
+        self.layer = DraftLayer(c, attn_width=2)  # its input_norm normalises the embeddings
         self.norm = nn.RMSNorm(d, eps=c.rms_norm_eps)
 
-    def _input(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def fusion(self, feats: torch.Tensor) -> torch.Tensor:  # (.., m, d) -> (.., d)
+        return self.fc(feats.flatten(-2))
+
+    def _step(self, tokens, hidden, pos, prefix, mask):
+        """One pass of the layer: tokens (B, Q) with hidden (B, Q, d) (g or the previous output)."""
         e = self.head.embed(tokens).to(hidden.dtype)
-        return self.w_in(torch.cat([self.norm_e(e), self.norm_h(hidden)], -1))
+        attn_in = torch.cat([self.layer.input_norm(e), self.hidden_norm(hidden)], -1)  # (B, Q, 2d)
+        return self.layer(hidden, pos, prefix, mask, attn_in)
 
     def train_outputs(self, feats, ids, valid, anchors, gamma):
         B, T = ids.shape
@@ -45,7 +51,7 @@ class Eagle3(Drafter):
         pos = torch.arange(T, device=dev).expand(B, T)
         causal = torch.tril(torch.ones(T, T, dtype=torch.bool, device=dev))[None] & valid[:, None, :]
         causal = causal | torch.eye(T, dtype=torch.bool, device=dev)[None]  # padding rows see themselves
-        h0, (k0, v0) = self.layer(self._input(nxt, self.fusion(feats)), pos, None, causal[:, None])  # (B, T, d)
+        h0, (k0, v0) = self._step(nxt, self.fusion(feats), pos, None, causal[:, None])  # (B, T, d)
         a = (anchors - 1).clamp(min=0)  # step 0 for anchor p runs at position p-1
         h = h0.gather(1, a[:, :, None].expand(B, N, h0.shape[-1]))  # (B, N, d)
         hs = [h]
@@ -53,13 +59,12 @@ class Eagle3(Drafter):
         chain_k, chain_v = [], []
         for k in range(1, gamma):
             tok = ids.gather(1, (anchors + k).clamp(max=T - 1))  # teacher forcing: x_{p+k}
-            x = self._input(tok, h)  # (B, N, d)
             q_pos = a + k  # (B, N)
             eye = torch.eye(N, dtype=torch.bool, device=dev)
             # keys: step-0 context, then the chain of steps 1..k-1 (N each), then this step's own N keys
             mask = torch.cat([see_ctx] + [eye[None].expand(B, N, N)] * k, -1)[:, None]
             prefix = (torch.cat([k0, *chain_k], 2), torch.cat([v0, *chain_v], 2))
-            h, (kk, vv) = self.layer(x, q_pos, prefix, mask)
+            h, (kk, vv) = self._step(tok, h, q_pos, prefix, mask)
             chain_k.append(kk)
             chain_v.append(vv)
             hs.append(h)
@@ -71,7 +76,7 @@ class Eagle3(Drafter):
     def extend(self, states: list[DraftState], feats: list[torch.Tensor], next_tokens: list[torch.Tensor]) -> None:
         for s, f, nxt in zip(states, feats, next_tokens):
             n = f.shape[0]
-            dtype = self.w_in.weight.dtype
+            dtype = self.fc.weight.dtype
             pos = torch.arange(s.length, s.length + n, device=f.device)[None]
             new = torch.tril(torch.ones(n, n, dtype=torch.bool, device=f.device))
             if s.length:
@@ -79,8 +84,7 @@ class Eagle3(Drafter):
                 mask = torch.cat([torch.ones(n, s.length, dtype=torch.bool, device=f.device), new], -1)
             else:
                 prefix, mask = None, new
-            x = self._input(nxt[None], self.fusion(f[None].to(dtype)))
-            h, (k, v) = self.layer(x, pos, prefix, mask[None, None])
+            h, (k, v) = self._step(nxt[None], self.fusion(f[None].to(dtype)), pos, prefix, mask[None, None])
             s.append([(k[0], v[0])], n)
             s.extra["h"] = h[0, -1]  # step-0 output at the last committed position: drafts token 1
 
@@ -95,11 +99,10 @@ class Eagle3(Drafter):
         toks, probs = [tok], [q]
         ks, vs = [], []
         for k in range(1, gamma):
-            x = self._input(tok[:, None], h[:, None])  # (R, 1, d)
             own = torch.ones(R, 1, k, dtype=torch.bool, device=anchors.device)  # earlier chain steps + itself
             mask = torch.cat([valid[:, None, :], own], -1)[:, None]
             prefix = (torch.cat([ctx_k, *ks], 2), torch.cat([ctx_v, *vs], 2))
-            out, (kk, vv) = self.layer(x, (last + k)[:, None], prefix, mask)
+            out, (kk, vv) = self._step(tok[:, None], h[:, None], (last + k)[:, None], prefix, mask)
             ks.append(kk)
             vs.append(vv)
             h = out[:, 0]

@@ -37,16 +37,17 @@ class DraftLayer(nn.Module):
     """Pre-norm transformer block (Qwen3 layout: per-head q/k RMSNorm, GQA, SwiGLU MLP).
 
     Keys/values are [prefix; own tokens]: the prefix (e.g. the projected target context) is passed
-    in already projected, so it can be cached across drafting rounds."""
+    in already projected, so it can be cached across drafting rounds. `attn_width` > 1: q/k/v read
+    an attention input of attn_width·d built by the caller (EAGLE-3's [norm(embedding); norm(hidden)])."""
 
-    def __init__(self, c: DrafterConfig):
+    def __init__(self, c: DrafterConfig, attn_width: int = 1):
         super().__init__()
         d, hd = c.hidden_size, c.head_dim
         self.c = c
         self.input_norm = nn.RMSNorm(d, eps=c.rms_norm_eps)
-        self.q_proj = nn.Linear(d, c.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, c.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, c.num_kv_heads * hd, bias=False)
+        self.q_proj = nn.Linear(attn_width * d, c.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(attn_width * d, c.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(attn_width * d, c.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(c.num_heads * hd, d, bias=False)
         self.q_norm = nn.RMSNorm(hd, eps=c.rms_norm_eps)
         self.k_norm = nn.RMSNorm(hd, eps=c.rms_norm_eps)
@@ -68,11 +69,13 @@ class DraftLayer(nn.Module):
         pos: torch.Tensor,
         prefix: tuple[torch.Tensor, torch.Tensor] | None,
         mask: torch.Tensor | None,
+        attn_in: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """x: (B, Q, d) at positions pos (B, Q); prefix k/v: (B, KVH, P, hd); mask: (B, 1, Q, P+Q) bool,
-        True = visible (None = all visible). Returns (B, Q, d) and this call's own k/v."""
+        """x: (B, Q, d) the residual stream at positions pos (B, Q); prefix k/v: (B, KVH, P, hd); mask:
+        (B, 1, Q, P+Q) bool, True = visible (None = all visible); attn_in: (B, Q, attn_width·d) what q/k/v
+        read (default input_norm(x)). Returns (B, Q, d) and this call's own k/v."""
         B, Q, _ = x.shape
-        h = self.input_norm(x)
+        h = self.input_norm(x) if attn_in is None else attn_in
         q = self.q_norm(self.q_proj(h).view(B, Q, self.c.num_heads, self.c.head_dim))
         q = rope(q, pos, self.c.rope_theta).transpose(1, 2)  # (B, H, Q, hd)
         k, v = self.project_kv(h, pos)  # (B, KVH, Q, hd)
