@@ -1,6 +1,7 @@
-"""Exports (DFlash, DSpark, EAGLE-3) load in the speculators package (vLLM's documented format) and reproduce our drafters:
-bench/speculators_roundtrip.sh makes speculators' own venv (.local/venvs/speculators, once), exports
-each drafter with jobs/export.py --reference and reruns its block there (bench/speculators_check.py)."""
+"""Exports (DFlash, DSpark, EAGLE-3) load in the speculators package (vLLM's documented format) and
+reproduce our drafters: bench/speculators_roundtrip.sh makes speculators' own venv
+(.local/venvs/speculators, once), exports each drafter with jobs/export.py --reference and reruns its
+block there (bench/speculators_check.py)."""
 
 import os
 import subprocess
