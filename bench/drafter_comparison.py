@@ -43,12 +43,13 @@ import torch
 
 from dspark import evaluation, plots
 from dspark import target as targets
-from dspark.cache.read import iter_local, open_cache
+from dspark.cache.read import iter_local, open_cache, token_counts
 from dspark.config import add_config_args, config_from_args, run_main
 from dspark.corpus.sources import Corpus
 from dspark.decoding.sampling import SamplingParams
 from dspark.errors import UserError
 from dspark.models import DrafterConfig, build_drafter, count_params, load_drafter, save_drafter
+from dspark.models.drafter import select_draft_vocab
 from dspark.storage import Storage
 from dspark.train.loop import fit
 from dspark.train.loss import LossWeights, drafter_loss, summarize
@@ -88,7 +89,10 @@ def held_out(seq_id: str, frac: float) -> bool:
 
 
 def make_drafter(name, tgt, cache, cfg):
+    """The variant's drafter with train.markov_rank and, with train.draft_vocab, the cache's most
+    frequent response tokens as its draft vocabulary (as the distributed trainer selects them)."""
     kind, layers, markov, gamma, _, _ = parse(name)
+    tc = cfg.train.model_copy(update={"gamma": gamma, "dist_loss": "kl" if name.endswith("_kl") else "l1"})
     dc = DrafterConfig.from_target(
         tgt.config,
         kind,
@@ -97,11 +101,16 @@ def make_drafter(name, tgt, cache, cfg):
         num_layers=layers,
         gamma=gamma,
         markov=markov,
+        markov_rank=tc.markov_rank,
+        draft_vocab=tc.draft_vocab,
         target=cache.manifest.target,
     )
     torch.manual_seed(cfg.train.seed)
-    tc = cfg.train.model_copy(update={"gamma": gamma, "dist_loss": "kl" if name.endswith("_kl") else "l1"})
-    return build_drafter(dc, tgt.model), tc
+    drafter = build_drafter(dc, tgt.model)
+    if tc.draft_vocab:
+        counts = token_counts(cache, cache.manifest.shards, tgt.config.vocab_size)
+        drafter.set_draft_vocab(select_draft_vocab(counts, tc.draft_vocab))
+    return drafter, tc
 
 
 def heldout_metrics(drafter, batches: list[dict], tc) -> dict:

