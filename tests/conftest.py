@@ -19,6 +19,13 @@ from dspark.services import BUCKET  # noqa: E402
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _no_tracking_uri_from_earlier_tests(monkeypatch):
+    """mlflow.set_tracking_uri also sets MLFLOW_TRACKING_URI in os.environ, which the config then takes
+    as its default: each test starts without it, and whatever a test's runs set is removed after it."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
 @pytest.fixture(scope="session")
 def services_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("services")
