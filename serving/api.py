@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from dspark.decoding.events import MAX_LOGPROBS
+
 # OpenAI request fields beyond the schemas below. Features we do not implement are refused (400 naming
 # the field) unless set to a value that turns them off; metadata is accepted and ignored; any other
 # unknown field is refused.
 UNSUPPORTED: dict[str, tuple] = {  # field -> the values that mean "off"
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -95,9 +96,22 @@ class _Sampling(BaseModel):
     def limit(self) -> Optional[int]:
         return self.max_tokens
 
+    def n_logprobs(self) -> Optional[int]:
+        """None: no logprobs; k: each token's log-probability and its k most likely alternatives."""
+        return None
+
 
 class CompletionRequest(_Sampling):
     prompt: Text = Field(min_length=1)
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_off(cls, v):
+        return None if v is False else v
+
+    def n_logprobs(self) -> Optional[int]:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -119,9 +133,20 @@ class Message(BaseModel):  # other fields (`name`, the nulls an SDK's own messag
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = Field(False, strict=True)
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("logprobs", "needs logprobs: true", {"field": "top_logprobs"})
+        return self
 
     def limit(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
+
+    def n_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def usage_body(done: dict) -> dict:
@@ -132,12 +157,38 @@ def usage_body(done: dict) -> dict:
     }
 
 
-def completion_body(rid: str, model: str, text: str, done: dict, chat: bool) -> dict:
+def logprobs_body(entries: Optional[list[dict]], chat: bool, offset: int = 0) -> Optional[dict]:
+    """OpenAI's logprobs object for the engine's entries ({"token", "logprob", "top_logprobs"}): chat's
+    {"content": [{token, logprob, bytes, top_logprobs}]}, or the completions API's {tokens, token_logprobs,
+    top_logprobs: [{token: logprob}], text_offset} with offsets counted from `offset`. None: not asked for."""
+    if entries is None:
+        return None
+    if chat:
+
+        def one(e: dict) -> dict:
+            return {"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode())}
+
+        return {"content": [{**one(e), "top_logprobs": [one(t) for t in e["top_logprobs"]]} for e in entries]}
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": list(itertools.accumulate((len(e["token"]) for e in entries), initial=offset))[:-1],
+    }
+
+
+def completion_body(rid: str, model: str, text: str, done: dict, chat: bool, logprobs: Optional[list] = None) -> dict:
     usage = usage_body(done)
+    lp = logprobs_body(logprobs, chat)
     choice = (
-        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": done["finish_reason"]}
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": done["finish_reason"],
+            "logprobs": lp,
+        }
         if chat
-        else {"index": 0, "text": text, "finish_reason": done["finish_reason"], "logprobs": None}
+        else {"index": 0, "text": text, "finish_reason": done["finish_reason"], "logprobs": lp}
     )
     return {
         "id": rid,
@@ -151,12 +202,15 @@ def completion_body(rid: str, model: str, text: str, done: dict, chat: bool) -> 
     }
 
 
-def chunk_body(rid: str, model: str, text: str, finish: Optional[str], chat: bool) -> dict:
+def chunk_body(
+    rid: str, model: str, text: str, finish: Optional[str], chat: bool, logprobs: Optional[dict] = None
+) -> dict:
+    """One streamed chunk; `logprobs`: a logprobs_body of the tokens it carries."""
     if chat:
-        choice = {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
+        choice = {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
 

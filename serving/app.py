@@ -32,7 +32,15 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark.decoding.events import Done, Error, Event, Text
-from serving.api import ChatRequest, CompletionRequest, chunk_body, completion_body, error_body, usage_body
+from serving.api import (
+    ChatRequest,
+    CompletionRequest,
+    chunk_body,
+    completion_body,
+    error_body,
+    logprobs_body,
+    usage_body,
+)
 
 log = logging.getLogger("dspark.serving")
 api = FastAPI(title="dspark")
@@ -167,9 +175,8 @@ class SpeculativeEngine:
 
         cfg = _cfg(cfg_json)
         sc = cfg.serve
-        if cfg.target.threads:
-            torch.set_num_threads(cfg.target.threads)
         tgt = targets.load_from_config(cfg.target)
+        torch.set_num_threads(sc.num_cpus)  # the replica's CPUs (serve.num_cpus), not the jobs' target.threads
         drafter, start = None, None
         if sc.drafter_uri:
             import tempfile
@@ -258,7 +265,9 @@ class SpeculativeEngine:
         try:
             ids = self.encode(body)
             sp = SamplingParams(body["temperature"], body["top_p"], body["top_k"])
-            stream = self.engine.submit(ids, sp, body["max_tokens"], body.get("seed"), body.get("stop") or [])
+            stream = self.engine.submit(
+                ids, sp, body["max_tokens"], body.get("seed"), body.get("stop") or [], body.get("logprobs")
+            )
         except Overloaded as e:
             yield Error(str(e), 429)
             return
@@ -286,8 +295,11 @@ class SpeculativeEngine:
                 self.engine.cancel(stream)
 
     def state(self) -> dict:
+        import torch
+
         return {
             **self.engine.state(),
+            "torch_threads": torch.get_num_threads(),
             "sps": {
                 "batch": self.sps.batch,
                 "sps": self.sps.sps,
@@ -382,13 +394,17 @@ async def _events(gen) -> AsyncIterator[Event]:
     yield Error("the engine's stream ended without a result", 500)
 
 
-async def _collect(ev: Event, events: AsyncIterator[Event]) -> tuple[str, Done | Error]:
-    """A whole answer: its text and the final Done or Error."""
-    text = ""
+async def _collect(ev: Event, events: AsyncIterator[Event]) -> tuple[str, list | None, Done | Error]:
+    """A whole answer: its text, its logprobs entries (None: not asked for) and the final Done or Error."""
+    text, logprobs = "", None
     while isinstance(ev, Text):
         text += ev.delta
+        if ev.logprobs is not None:
+            logprobs = (logprobs or []) + ev.logprobs
         ev = await anext(events)
-    return text, ev
+    if isinstance(ev, Done) and ev.info.get("logprobs") is not None:
+        logprobs = (logprobs or []) + ev.info["logprobs"]
+    return text, logprobs, ev
 
 
 def _data(obj: dict) -> str:
@@ -401,13 +417,22 @@ async def _sse(
     """Server-sent events: chunks, a last chunk with the finish reason and usage (with `usage_chunk`,
     stream_options.include_usage, the usage moves to one more chunk with no choices), then [DONE]. An error
     after the stream has started is sent as an OpenAI-style error event that ends it: never [DONE]
-    after a cut-short answer."""
+    after a cut-short answer. With logprobs, each chunk carries those of the tokens it adds (the last one,
+    those of tokens that added no text, such as the end of sequence)."""
+    offset = 0  # completions' text_offset: characters of the tokens sent so far
+
+    def logprobs(entries):
+        nonlocal offset
+        body = logprobs_body(entries, chat, offset)
+        offset += sum(len(e["token"]) for e in entries or [])
+        return body
+
     try:
         if chat:
             role = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
             yield _data({**chunk_body(rid, model, "", None, chat), "choices": [role]})
         while isinstance(ev, Text):
-            yield _data(chunk_body(rid, model, ev.delta, None, chat))
+            yield _data(chunk_body(rid, model, ev.delta, None, chat, logprobs(ev.logprobs)))
             ev = await anext(events)
         if isinstance(ev, Error):
             yield _data(error_body(ev.message, kind=_kind(ev.status)))
@@ -415,7 +440,7 @@ async def _sse(
         info = ev.info
         yield _data(
             {
-                **chunk_body(rid, model, "", info["finish_reason"], chat),
+                **chunk_body(rid, model, "", info["finish_reason"], chat, logprobs(info.get("logprobs"))),
                 "speculative": info["speculative"],
                 "timing": info["timing"],
                 "usage": None if usage_chunk else usage_body(info),  # with the usage chunk: only there
@@ -471,6 +496,7 @@ class Ingress:
             "seed": body.seed,
             "stop": body.stops(),
             "max_tokens": body.limit() or self.sc.max_tokens_default,
+            "logprobs": body.n_logprobs(),
         }
         params.update({"messages": [m.for_template() for m in body.messages]} if chat else {"prompt": body.prompt})
         gen = self.engine.options(stream=True).generate.remote(params)
@@ -486,10 +512,10 @@ class Ingress:
                 return StreamingResponse(
                     _sse(first, events, gen, rid, model, chat, usage_chunk), media_type="text/event-stream"
                 )
-            text, last = await _collect(first, events)
+            text, logprobs, last = await _collect(first, events)
             if isinstance(last, Error):
                 return _error(last.status, last.message)
-            return completion_body(rid, model, text, last.info, chat)
+            return completion_body(rid, model, text, last.info, chat, logprobs)
         finally:
             if not streaming:
                 gen.cancel()  # finished, failed, or the client went away: the engine frees the slot
@@ -519,7 +545,8 @@ def engine_options(cfg) -> dict:
     """Serve options of the engine deployment: one GPU per replica when the target runs on CUDA; a fixed
     number of replicas, or autoscaling on ongoing requests (serve.autoscaling.max_replicas > 0)."""
     sc, a = cfg.serve, cfg.serve.autoscaling
-    opts: dict = {"ray_actor_options": {"num_cpus": 1, "num_gpus": 1 if cfg.target.device.startswith("cuda") else 0}}
+    gpus = 1 if cfg.target.device.startswith("cuda") else 0
+    opts: dict = {"ray_actor_options": {"num_cpus": sc.num_cpus, "num_gpus": gpus}}
     if not a.max_replicas:
         return {**opts, "num_replicas": sc.num_replicas}
     if a.min_replicas > a.max_replicas:
@@ -550,8 +577,9 @@ def _drafter_calibration(cfg):
     return gamma, start.check(gamma) if start else None
 
 
-def run_local(cfg) -> str:
-    """Start (or replace) the application on the connected (or a new local) Ray; returns its base URL."""
+def run_local(cfg, name: str = "dspark", route_prefix: str = "/") -> str:
+    """Start (or replace) the application `name` at `route_prefix` on the connected (or a new local) Ray;
+    returns its base URL."""
     from ray.serve.context import _get_global_client
 
     from dspark.cluster import init_ray
@@ -565,5 +593,5 @@ def run_local(cfg) -> str:
             f"serve.port={cfg.serve.port}: Serve already listens on port {running} in this Ray "
             f"cluster; use serve.port={running} or shut that Serve down first"
         )
-    serve.run(build({"config_json": cfg.model_dump_json()}), name="dspark", route_prefix="/")
-    return f"http://{cfg.serve.host}:{cfg.serve.port}"
+    serve.run(build({"config_json": cfg.model_dump_json()}), name=name, route_prefix=route_prefix)
+    return f"http://{cfg.serve.host}:{cfg.serve.port}{route_prefix.rstrip('/')}"

@@ -130,18 +130,18 @@ class Storage:
             if not Path(self.path_of(uri)).is_dir():
                 raise UserError(f"folder not found: {uri}")
             return Path(self.path_of(uri))
-        fs, path = self.fsspec_fs(uri)
+        # pyarrow, not s3fs: inside a running event loop (a Serve replica loading its drafter) s3fs's finalizer
+        # closes its session on that loop instead of its own and prints an unretrieved-task traceback
+        fs, path = self.pyarrow_fs(uri)
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
-        files = [
-            f
-            for f in fs.ls(path, detail=True)
-            if f["type"] == "file" and (not only or f["name"].rsplit("/", 1)[-1] in only)
-        ]
+        found = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+        files = [f for f in found if f.type == pafs.FileType.File and (not only or f.base_name in only)]
         if not files and not only:
             raise UserError(f"nothing found at {uri}")
+        local = pafs.LocalFileSystem()
         for f in files:
-            fs.get_file(f["name"], str(dest / f["name"].rsplit("/", 1)[-1]))
+            pafs.copy_files(f.path, str(dest / f.base_name), source_filesystem=fs, destination_filesystem=local)
         return dest
 
     def check(self, uri: str) -> None:

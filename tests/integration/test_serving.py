@@ -65,6 +65,14 @@ def test_openai_client_completions_and_chat(server, tgt):
         model="dspark-builtin", messages=msgs, max_tokens=16, temperature=0, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    lp = client.chat.completions.create(
+        model="dspark-builtin", messages=msgs, max_tokens=16, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = lp.choices[0].logprobs.content  # greedy: each token is the target's most likely one
+    assert (
+        len(content) == lp.usage.completion_tokens and lp.choices[0].message.content == chat.choices[0].message.content
+    )
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == e.logprob <= 0 for e in content)
     sampled = client.completions.create(model="dspark-builtin", prompt="x = ", max_tokens=8, temperature=1.0, seed=3)
     again = client.completions.create(model="dspark-builtin", prompt="x = ", max_tokens=8, temperature=1.0, seed=3)
     assert sampled.choices[0].text == again.choices[0].text  # a seed makes sampling reproducible

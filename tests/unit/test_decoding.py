@@ -548,3 +548,31 @@ def test_kv_growth_is_all_or_nothing(tgt, prompt, monkeypatch):
     slot = r.alloc()
     out = r.forward([slot], [torch.tensor(prompt)])
     assert (out.logits[0] - tgt.model(torch.tensor([prompt])).logits[0]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_are_the_targets_log_softmax_at_every_output_token(tgt, temperature):
+    """Each output token's recorded log-probability and top-k are the target's raw log_softmax at its
+    position (one full forward over prompt + output), whether the token was an accepted draft, a
+    correction, the bonus token or the first token from prefill; logprobs off records nothing."""
+    drafter = untrained_drafter(tgt, "dspark", 4)
+    prompt = [tgt.tokenizer.bos_token_id] + tgt.tokenizer.encode("def add(a, b):\n", add_special_tokens=False)
+    sp = SamplingParams(temperature)
+    reqs = [Request(prompt, sp, 40, seed, logprobs=k) for seed, k in ((0, 3), (1, 0), (2, -1))]
+    dec = SpeculativeDecoder(tgt.model, drafter, 4, policies.make_policy("static", SPSTable.synthetic(), 4))
+    dec.run(reqs)
+    for r in reqs[:2]:
+        assert len(r.token_logprobs) == len(r.out) > 1
+        with torch.no_grad():
+            ref = torch.log_softmax(tgt.model(torch.tensor([prompt + r.out])).logits[0].float(), -1)
+        rows = ref[len(prompt) - 1 : -1]  # row i predicts output token i
+        chosen = rows[torch.arange(len(r.out)), torch.tensor(r.out)]
+        assert torch.allclose(torch.tensor([lp for lp, _ in r.token_logprobs]), chosen, atol=1e-4)
+        for (_, top), row in zip(r.token_logprobs, rows):
+            values, ids = row.topk(r.logprobs)
+            assert [i for i, _ in top] == ids.tolist() and torch.allclose(
+                torch.tensor([v for _, v in top]), values, atol=1e-4
+            )
+    if temperature > 0:  # accepted drafts were among the tokens checked (an untrained drafter's, at T=1)
+        assert sum(x.accepted for r in reqs for x in r.rounds) > 0
+    assert reqs[2].token_logprobs == []

@@ -8,7 +8,7 @@ from dspark import target as targets
 from dspark.calibration.sts import Calibration
 from dspark.decoding.engine import Engine, Overloaded
 from dspark.decoding.events import Done, Error, Text
-from dspark.decoding.profile import profile
+from dspark.decoding.profile import envelope, profile
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.errors import UserError
@@ -197,3 +197,30 @@ def test_profile_times_the_drafting_round_per_request_count(tgt, drafter):
     table = profile(tgt.model, [1, 2, 4], context=32, repeats=1, warmup=0, max_requests=2, drafter=drafter, gamma=4)
     assert table.draft_batch == [1, 2] and all(t > 0 for t in table.draft_s)
     assert table.draft_time(4) == pytest.approx(2 * table.draft_s[1])  # past the table: proportional to R
+    # a step over fewer tokens never costs more than one over more: noise at one size is cut
+    assert all(1 / a <= 1 / b for a, b in zip(table.sps, table.sps[1:]))
+    assert all(a <= b for a, b in zip(table.draft_s, table.draft_s[1:]))
+
+
+def test_envelope_cuts_a_noisy_size_to_the_least_time_above_it():
+    assert envelope([0.32, 0.11, 0.10, 0.12, 0.11]).tolist() == [0.10, 0.10, 0.10, 0.11, 0.11]
+
+
+def test_logprobs_go_out_with_the_text_one_entry_per_output_token(tgt, drafter):
+    eng = engine(tgt, drafter, max_batch=2)
+    try:
+        with_lp = drain(eng.submit(ids_of(tgt, "def f(x):"), SamplingParams(1.0), 24, 5, logprobs=2))
+        without = drain(eng.submit(ids_of(tgt, "def f(x):"), SamplingParams(1.0), 24, 5))
+        with pytest.raises(ValueError, match="logprobs"):
+            eng.submit(ids_of(tgt, "x"), SamplingParams(1.0), 4, logprobs=21)
+    finally:
+        eng.close()
+    done = with_lp[-1]
+    entries = [e for ev in with_lp[:-1] for e in ev.logprobs] + done.info["logprobs"]
+    assert len(entries) == done.info["completion_tokens"]
+    for e in entries:
+        tops = [t["logprob"] for t in e["top_logprobs"]]
+        assert len(tops) == 2 and tops == sorted(tops, reverse=True) and e["logprob"] <= tops[0] + 1e-6 <= 1e-6
+    assert "".join(e["token"] for e in entries).startswith(text_of(with_lp))  # the tokens spell the text
+    assert text_of(without) == text_of(with_lp)  # same seed, same output: logprobs change nothing
+    assert all(ev.logprobs is None for ev in without[:-1]) and without[-1].info["logprobs"] is None

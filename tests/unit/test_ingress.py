@@ -185,9 +185,9 @@ def test_seed_none_passes_through_and_out_of_range_seeds_are_400(monkeypatch):
 @pytest.mark.parametrize(
     "extra, named",
     [
-        ({"logprobs": 2}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),  # the completions API: an integer 0..20
         ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": -1}, "logprobs"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": -1}, "frequency_penalty"),
         ({"logit_bias": {"42": 100}}, "logit_bias"),
@@ -219,9 +219,6 @@ def test_unsupported_and_unknown_fields_are_400_naming_them(monkeypatch, extra, 
 @pytest.mark.parametrize(
     "extra",
     [
-        {"logprobs": None},
-        {"logprobs": False},
-        {"logprobs": 0},
         {"presence_penalty": 0},
         {"frequency_penalty": 0.0},
         {"logit_bias": {}},
@@ -314,3 +311,56 @@ def test_engine_deployment_reserves_a_gpu_on_cuda_and_autoscales_when_asked():
         serving.engine_options(
             load_config(overrides=["serve.autoscaling.min_replicas=5", "serve.autoscaling.max_replicas=4"])
         )
+
+
+LP = [
+    {"token": "a", "logprob": -0.5, "top_logprobs": [{"token": "a", "logprob": -0.5}, {"token": "é", "logprob": -1.5}]},
+    {"token": "b", "logprob": -2.0, "top_logprobs": [{"token": "c", "logprob": -0.1}, {"token": "b", "logprob": -2.0}]},
+]
+END = {
+    "token": "</s>",
+    "logprob": -0.2,
+    "top_logprobs": [{"token": "</s>", "logprob": -0.2}, {"token": "d", "logprob": -3.0}],
+}
+DONE_LP = Done({**DONE.info, "completion_tokens": 3, "logprobs": [END]})
+
+
+def test_logprobs_reach_the_engine_and_come_back_in_openai_shapes(monkeypatch):
+    engine = Engine(Text("a", LP[:1]), Text("b", LP[1:]), DONE_LP)
+    c = client(monkeypatch, engine)
+    r = c.post("/v1/completions", json={"prompt": "x", "logprobs": 2})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert engine.bodies[-1]["logprobs"] == 2
+    assert lp["tokens"] == ["a", "b", "</s>"] and lp["token_logprobs"] == [-0.5, -2.0, -0.2]
+    assert lp["top_logprobs"][1] == {"c": -0.1, "b": -2.0} and lp["text_offset"] == [0, 1, 2]
+    msgs = [{"role": "user", "content": "hi"}]
+    r = c.post("/v1/chat/completions", json={"messages": msgs, "logprobs": True, "top_logprobs": 2})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert engine.bodies[-1]["logprobs"] == 2 and [e["token"] for e in content] == ["a", "b", "</s>"]
+    assert content[0]["top_logprobs"][1] == {"token": "é", "logprob": -1.5, "bytes": [195, 169]}
+    r = c.post("/v1/chat/completions", json={"messages": msgs, "logprobs": True})
+    assert engine.bodies[-1]["logprobs"] == 0 and r.status_code == 200  # the tokens' own logprobs, no alternatives
+    r = c.post("/v1/chat/completions", json={"messages": msgs, "top_logprobs": 2})  # without logprobs: true
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+    stream = c.post(
+        "/v1/chat/completions", json={"messages": msgs, "logprobs": True, "top_logprobs": 2, "stream": True}
+    )
+    chunks = [json.loads(x) for x in sse(stream) if x != "[DONE]"]
+    streamed = [
+        e["token"]
+        for ch in chunks
+        for choice in ch["choices"]
+        for e in (choice.get("logprobs") or {}).get("content", [])
+    ]
+    assert streamed == ["a", "b", "</s>"]  # the end-of-sequence entry rides on the finishing chunk
+    stream = c.post("/v1/completions", json={"prompt": "x", "logprobs": 1, "stream": True})
+    offsets = [
+        o
+        for ch in map(json.loads, sse(stream)[:-1])
+        for o in (ch["choices"][0]["logprobs"] or {}).get("text_offset", [])
+    ]
+    assert offsets == [0, 1, 2]
+    plain = Engine(Text("a"), Text("b"), DONE)  # not asked for: the engine sends none
+    r = client(monkeypatch, plain).post("/v1/chat/completions", json={"messages": msgs})
+    assert plain.bodies[-1]["logprobs"] is None and r.json()["choices"][0]["logprobs"] is None

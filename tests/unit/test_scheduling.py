@@ -1,6 +1,8 @@
 """Scheduling policies as pure functions: invariants on random CPU arrays, the issue's known vector,
 and the paper's Appendix A counterexample (the early stop is what keeps Algorithm 1 lossless)."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -190,7 +192,7 @@ def test_drafting_pays_at_low_load_and_not_at_high_load():
 
 def test_draft_gate_skips_probes_and_resumes():
     sps = SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.03])  # drafting: 3 target steps
-    gate = DraftGate(sps, gamma=4, max_interval=4)
+    gate = DraftGate(sps, gamma=4, max_interval=4, overhead=math.inf)  # probes not held back by their cost
     assert gate(1)  # nothing measured yet: draft
     gate.observe([4], [1])  # alpha = (1, 0, ..): tau 2 for 4 step-times of work
     decisions = [gate(1) for _ in range(16)]
@@ -203,6 +205,14 @@ def test_draft_gate_skips_probes_and_resumes():
     assert all(gate(1) for _ in range(5))  # tau near 5 for 4 step-times: drafting pays, every round drafts
     gate.observe([0], [0])  # the policy verified nothing: stop drafting until the next probe
     assert not gate(1) and gate(1)
+    # a probe's drafting round costs at most `overhead` of the plain rounds before it: 3 steps / 2% = 150
+    bounded = DraftGate(sps, gamma=4, max_interval=1000, overhead=0.02)
+    assert bounded(1) and bounded.probe_gap(1) == 150
+    bounded.observe([4], [1])
+    assert [bounded(1) for _ in range(151)] == [False] * 150 + [True]
+    cheap = DraftGate(SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.0001]), 4, 1000)
+    cheap.observe([4], [0])
+    assert [cheap(1) for _ in range(5)] == [False, True, False, False, True]  # a cheap probe: 1, 2, 4, ..
     always = DraftGate(sps, gamma=4, max_interval=0)
     always.observe([0], [0])
     assert all(always(1) for _ in range(4))  # max_interval 0: draft every round

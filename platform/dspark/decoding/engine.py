@@ -26,7 +26,7 @@ import numpy as np
 
 from dspark.calibration.sts import Calibration
 from dspark.decoding.detok import Detokenizer
-from dspark.decoding.events import Done, Error, Event, Text
+from dspark.decoding.events import MAX_LOGPROBS, Done, Error, Event, Text
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.errors import UserError
@@ -53,6 +53,7 @@ class Stream:
     submitted: float = field(default_factory=time.perf_counter)
     first_token: Optional[float] = None  # when the first text went out
     first_tokens: int = 0  # output tokens committed by then
+    sent_logprobs: int = 0  # output tokens whose logprobs went out
     finish_reason: Optional[str] = None
     notify: Optional[Callable[[], None]] = None  # called after every event (from the engine thread)
 
@@ -148,10 +149,12 @@ class Engine:
         max_tokens: int,
         seed: Optional[int] = None,
         stop: list[str] | None = None,
+        logprobs: Optional[int] = None,
     ) -> Stream:
         """seed given: the output is a function of (prompt, seed) alone, whatever else the engine runs
         (Gumbel-max sampling keyed by position). seed None: a fresh random seed and standard rejection
-        sampling, which accepts the most drafts. Raises ValueError (a bad request) or Overloaded."""
+        sampling, which accepts the most drafts. logprobs k: each output token's log-probability under the
+        target and its k most likely tokens go out with the text. Raises ValueError or Overloaded."""
         if not prompt_ids:
             raise ValueError("prompt: at least one token is needed")
         if max_tokens < 1:
@@ -163,6 +166,8 @@ class Engine:
             )
         if seed is not None and not 0 <= seed < MAX_SEED:
             raise ValueError(f"seed: must be in [0, 2^63) (got {seed})")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs: must be in 0..{MAX_LOGPROBS} (got {logprobs})")
         with self.lock:
             if len(self.waiting) >= self.max_queue:
                 raise Overloaded(f"{len(self.waiting)} requests already waiting (max_queue={self.max_queue})")
@@ -173,6 +178,7 @@ class Engine:
                 secrets.randbelow(MAX_SEED) if seed is None else seed,
                 self.stop_ids,
                 reproducible=seed is not None,
+                logprobs=-1 if logprobs is None else logprobs,
             )
             s = Stream(req, stop or [], Detokenizer(self.tok), id=f"cmpl-{next(self.ids)}")
             self.waiting.append(s)
@@ -286,9 +292,22 @@ class Engine:
                 self._send(s, text)
             self._finish(s)
 
+    def _logprobs(self, s: Stream) -> Optional[list[dict]]:
+        """The logprobs entries of the tokens committed since the last ones sent (None: not asked for)."""
+        if s.req.logprobs < 0:
+            return None
+        start, s.sent_logprobs = s.sent_logprobs, len(s.req.token_logprobs)
+        new, ids = s.req.token_logprobs[start:], s.req.out[start : s.sent_logprobs]
+        words = self.tok.batch_decode([[i] for i in ids + [j for _, top in new for j, _ in top]])
+        tops = iter(words[len(ids) :])
+        return [
+            {"token": w, "logprob": lp, "top_logprobs": [{"token": next(tops), "logprob": v} for _, v in top]}
+            for w, (lp, top) in zip(words, new)
+        ]
+
     def _send(self, s: Stream, text: str) -> None:
         """Stream what `text` adds to what was sent; the first text starts the request's token clock."""
-        s.put(Text(text[len(s.sent_text) :]))
+        s.put(Text(text[len(s.sent_text) :], self._logprobs(s)))
         s.sent_text = text
         if s.first_token is None:
             s.first_token, s.first_tokens = time.perf_counter(), len(s.req.out)
@@ -304,6 +323,7 @@ class Engine:
                     "prompt_tokens": len(s.req.prompt),
                     "speculative": s.stats(),
                     "timing": timing,
+                    "logprobs": self._logprobs(s),
                 }
             )
         )

@@ -5,16 +5,22 @@ without loading torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True)
 class Text:
     delta: str  # new text since the previous event
+    # with logprobs asked for: the tokens committed since the previous event, each
+    # {"token", "logprob", "top_logprobs": [{"token", "logprob"}, ..]} (the target's raw log-probabilities)
+    logprobs: Optional[list[dict]] = None
 
 
 @dataclass(frozen=True)
 class Done:
-    info: dict  # finish_reason, prompt/completion tokens, speculative statistics
+    info: dict  # finish_reason, prompt/completion tokens, speculative statistics, logprobs not sent yet
 
 
 @dataclass(frozen=True)

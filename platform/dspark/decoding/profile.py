@@ -63,8 +63,10 @@ def profile(
                 times.append(time.perf_counter() - t0)
             for s in slots:
                 runner.truncate(s, context)
-        out.append(1.0 / float(np.median(times)))
-    table = SPSTable(list(batches), out, hardware_info(next(target_model.parameters()).device))
+        out.append(float(np.median(times)))
+    table = SPSTable(
+        list(batches), (1.0 / envelope(out)).tolist(), hardware_info(next(target_model.parameters()).device)
+    )
     if drafter is not None:
         add_draft_times(
             table, target_model, drafter, [R for R in batches if R <= max_requests], gamma, context, repeats, warmup
@@ -84,7 +86,16 @@ def add_draft_times(
 ) -> None:
     """Fill the table's t_d(R) at each R of `requests` (increasing)."""
     table.draft_batch = list(requests)
-    table.draft_s = [draft_time(target_model, drafter, R, gamma, context, repeats, warmup) for R in requests]
+    table.draft_s = envelope(
+        [draft_time(target_model, drafter, R, gamma, context, repeats, warmup) for R in requests]
+    ).tolist()
+
+
+def envelope(seconds: list[float]) -> np.ndarray:
+    """Times measured at increasing sizes, each cut to the least time measured at any larger size: a
+    step over fewer tokens (requests) never costs more than over more, it could be padded to them; a
+    spell of noise at one size (another process on the cores) must not make verifying more look free."""
+    return np.minimum.accumulate(np.asarray(seconds, dtype=np.float64)[::-1])[::-1]
 
 
 def draft_time(

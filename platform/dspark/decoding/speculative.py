@@ -44,6 +44,18 @@ def full_length(survival: Optional[torch.Tensor], n_requests: int, gamma: int) -
     return [gamma] * n_requests
 
 
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """(log p(tokens[i]), its k most likely (id, log p)) at row i of the target's logits (>= len(tokens), V).
+    The raw distribution, log_softmax(logits), before temperature and top-p/top-k (what vLLM reports by
+    default): it does not depend on how the request samples."""
+    lp = torch.log_softmax(logits[: len(tokens)].float(), -1)  # (n, V)
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    if not k:
+        return [(c, []) for c in chosen]
+    values, ids = lp.topk(k, -1)
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
+
+
 @dataclass
 class RoundRecord:
     verified: int  # l
@@ -64,7 +76,10 @@ class Request:
     # prompt and the seed alone (see sampling.py). False: standard rejection sampling (the most
     # accepted drafts) with a generator seeded by `seed`.
     reproducible: bool = False
+    # -1: off; k >= 0: record each output token's log-probability under the target and its k most likely tokens
+    logprobs: int = -1
     out: list[int] = field(default_factory=list)
+    token_logprobs: list = field(default_factory=list)  # per output token with logprobs on: see token_logprobs
     rounds: list[RoundRecord] = field(default_factory=list)
     done: bool = False
     prefill_s: float = 0.0
@@ -139,9 +154,9 @@ class SpeculativeDecoder:
                 self._release(req)
             raise
         dt = (time.perf_counter() - t0) / len(reqs)
-        for req, first in zip(reqs, firsts):
+        for req, first, x in zip(reqs, firsts, out.logits):
             req.prefill_s += dt
-            self._commit(req, [first])
+            self._commit(req, [first], token_logprobs(x[-1:], [first], req.logprobs) if req.logprobs >= 0 else None)
             if not req.done:
                 self.active.append(req)
 
@@ -152,9 +167,12 @@ class SpeculativeDecoder:
             req.done = True
             self._release(req)
 
-    def _commit(self, req: Request, tokens: list[int]) -> None:
-        for t in tokens:
+    def _commit(self, req: Request, tokens: list[int], logprobs: Optional[list] = None) -> None:
+        """Append tokens (with their logprobs entries when the request records them) until a stop."""
+        for i, t in enumerate(tokens):
             req.out.append(t)
+            if logprobs is not None:
+                req.token_logprobs.append(logprobs[i])
             if t in req.stop_ids or len(req.out) >= req.max_new_tokens:
                 req.done = True
                 break
@@ -262,12 +280,14 @@ class SpeculativeDecoder:
             r.verify_s += dt
             r.rounds.append(RoundRecord(lengths[i], n, conf_rows[i], surv_rows[i], prop is not None))
             self.runner.truncate(r.slot, starts[i] + 1 + n)  # keep x_0 and the accepted drafts
-            committed.append((r, out.taps[i][: 1 + n], draft_ids[i][:n] + [emitted[i]]))
+            new = draft_ids[i][:n] + [emitted[i]]  # made by the target's rows 0..n of this request
+            lp = token_logprobs(out.logits[i], new, r.logprobs) if r.logprobs >= 0 else None
+            committed.append((r, out.taps[i][: 1 + n], new, lp))
         if self.drafter is not None:  # the drafter's context grows by x_0 and the accepted drafts
-            for r, t, new in committed:
+            for r, t, new, _ in committed:
                 r.pending.append((t, torch.tensor(new, device=t.device)))
-        for r, _, new in committed:
-            self._commit(r, new)
+        for r, _, new, lp in committed:
+            self._commit(r, new, lp)
         self.active = [r for r in reqs if not r.done]
 
     def _verify(

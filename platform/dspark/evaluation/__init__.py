@@ -12,6 +12,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from tqdm import tqdm
+
 from dspark.calibration import sts
 from dspark.decoding.sampling import SamplingParams
 from dspark.evaluation import oracle
@@ -77,8 +79,11 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
                 {f"{name} ({d})": v["threshold_sweep"] for d, v in cal["domains"].items()},
                 out_dir / f"threshold_sweep_{name}.png",
             )
-    for domain, prompts in eval_prompts(cfg, target, corpus).items():
+    sets = eval_prompts(cfg, target, corpus)
+    bar = tqdm(total=len(sets) * len(ec.temperatures), unit="set", desc="eval", mininterval=10)
+    for domain, prompts in sets.items():
         for t in ec.temperatures:
+            bar.set_postfix_str(f"{domain} T={t:g}")
             sp = SamplingParams(t)
             t0 = time.perf_counter()
             plain_reqs = decode(target.model, None, prompts, sp, 0, ec.max_new_tokens, eos, ec.seed)
@@ -106,6 +111,8 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
                 )
                 + f" ({time.perf_counter() - t0:.0f}s)"
             )
+            bar.update()
+    bar.close()
     (out_dir / "results.json").write_text(
         json.dumps({"results": [asdict(r) for r in results], "calibration": cal_by}, indent=2) + "\n"
     )

@@ -38,7 +38,7 @@ class DraftState:
     """Per-request drafter cache: per draft layer (k, v) buffers of shape (KVH, capacity, hd) whose first
     `length` positions are the committed context. The capacity doubles when full, so appending L
     positions copies O(L) in all (concatenating the whole cache every round copied O(L^2)); batching
-    the requests' caches for a round (pad_states) still copies each one."""
+    several requests' caches for a round (pad_states) still copies each one (a single request's is not)."""
 
     buffers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     length: int = 0  # committed context positions 0 .. length-1
@@ -71,8 +71,14 @@ def _grown(t: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
 
 
 def pad_states(states: list[DraftState], n_layers: int):
-    """Stack per-request caches into (R, KVH, Cmax, hd) per layer plus a (R, Cmax) validity mask."""
+    """Stack per-request caches into (R, KVH, Cmax, hd) per layer plus a (R, Cmax) validity mask (read-only:
+    one request's cache is handed over as views, without a copy)."""
     R = len(states)
+    if R == 1:
+        s = states[0]
+        return [(k[None], v[None]) for k, v in s.kv[:n_layers]], torch.ones(
+            1, s.length, dtype=torch.bool, device=s.kv[0][0].device
+        )
     cmax = max(s.length for s in states)
     ref = states[0].kv[0][0]
     kvh, hd = ref.shape[0], ref.shape[2]

@@ -26,6 +26,7 @@ name -> function table (the engine, the jobs and the benches all use it).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Callable, Optional
 
@@ -137,12 +138,13 @@ class DraftGate:
     alpha_j, the conditional acceptance at draft position j, is an exponential average over the drafted
     rounds that verified position j (a position never verified counts as 0). A round drafts while
     `draft_pays`; otherwise it does not, except for probes that re-measure alpha after 1, 2, 4, ..
-    `max_interval` skipped rounds. A drafted round that verified nothing (the policy found no draft
-    worth its verification) also stops drafting until the next probe. Before any drafted round there
-    is nothing to predict from: draft. max_interval = 0: draft every round."""
+    `max_interval` skipped rounds, and never sooner than `probe_gap`: a probe's drafting round costs at
+    most `overhead` of the plain rounds before it. A drafted round that verified nothing (the policy
+    found no draft worth its verification) also stops drafting until the next probe. Before any drafted
+    round there is nothing to predict from: draft. max_interval = 0: draft every round."""
 
-    def __init__(self, sps: SPSTable, gamma: int, max_interval: int, weight: float = 0.1):
-        self.sps, self.max_interval, self.weight = sps, max_interval, weight
+    def __init__(self, sps: SPSTable, gamma: int, max_interval: int, weight: float = 0.1, overhead: float = 0.02):
+        self.sps, self.max_interval, self.weight, self.overhead = sps, max_interval, weight, overhead
         self.alpha = np.zeros(gamma)
         self.known = np.zeros(gamma, dtype=bool)  # alpha_j has been measured
         self.seen = False  # a drafted round has been observed
@@ -153,11 +155,15 @@ class DraftGate:
         if self.max_interval == 0 or not self.seen or (not self.idle and draft_pays(self.alpha, R, self.sps)):
             self.interval, self.skipped = 1, 0
             return True
-        if self.skipped >= self.interval:  # a probe
+        if self.skipped >= min(self.max_interval, max(self.interval, self.probe_gap(R))):  # a probe
             self.interval, self.skipped = min(2 * self.interval, self.max_interval), 0
             return True
         self.skipped += 1
         return False
+
+    def probe_gap(self, R: int) -> int:
+        """Plain rounds a probe waits at least: t_d(R) <= overhead * gap / SPS(R)."""
+        return math.ceil(self.sps.draft_time(R) * self.sps(R) / self.overhead)
 
     def observe(self, verified: list[int], accepted: list[int]) -> None:
         """A drafted round: request r verified verified[r] drafts and accepted accepted[r] of them."""
