@@ -4,12 +4,15 @@ and the cost of verifying k = 2, 4, 8 new tokens relative to one (batch 1, the p
 k tokens cost about one, speculation pays). Prints what it measured (medians), never asserts.
 
     python bench/target_speed.py --config configs/smollm2.yaml [--dtypes float32,bfloat16] [--context 256]
+    python bench/target_speed.py --config configs/smollm2.yaml --dtypes bfloat16 --skip-load --threads 1,2
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
+import threading
 import time
 
 import torch
@@ -67,6 +70,25 @@ def decode_tps(model, prompts: list[list[int]], batch: int, max_new: int, eos) -
     return sum(len(r.out) for r in reqs) / dt
 
 
+def thread_tps(model, prompt: list[int], threads: int, background: bool, max_new: int) -> float:
+    """decode_tps at batch 1 with `threads` torch threads, on this (main) thread or on a new one, as the
+    serving engine decodes (serve.num_cpus sets its threads)."""
+    before, out = torch.get_num_threads(), []
+
+    def run():
+        torch.set_num_threads(threads)
+        out.append(decode_tps(model, [prompt], 1, max_new, ()))
+
+    if background:
+        worker = threading.Thread(target=run)
+        worker.start()
+        worker.join()
+    else:
+        run()
+    torch.set_num_threads(before)
+    return out[0]
+
+
 def main(argv=None):
     p = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--dtypes", default="float32,bfloat16")
@@ -75,6 +97,12 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=256, help="context length for the verify-cost forwards")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--skip-load", action="store_true", help="do not time the GGUF conversion")
+    p.add_argument(
+        "--threads",
+        default="",
+        help="also decode at batch 1 with these torch thread counts "
+        "(e.g. 1,2), on the main thread and on a background thread like the serving engine",
+    )
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     if not args.skip_load:
@@ -110,6 +138,17 @@ def main(argv=None):
             + f" | {1000 * cost[1]:.1f} |",
             flush=True,
         )
+        for n in [int(x) for x in args.threads.split(",") if x]:
+            runs: dict = {False: [], True: []}
+            for _ in range(3):  # interleaved: a slow spell of the machine falls on both
+                for bg in runs:
+                    runs[bg].append(thread_tps(tgt.model, prompts[0], n, bg, args.max_new))
+            print(
+                f"  {dtype}, {n} torch threads, batch 1 (median of 3): main thread "
+                f"{statistics.median(runs[False]):.1f} tok/s, "
+                f"background thread {statistics.median(runs[True]):.1f} tok/s",
+                flush=True,
+            )
         del tgt
 
 
