@@ -43,15 +43,14 @@ import torch
 
 from dspark import evaluation, plots
 from dspark import target as targets
-from dspark.cache.read import iter_local, open_cache, token_counts
+from dspark.cache.read import iter_local, open_cache
 from dspark.config import add_config_args, config_from_args, run_main
 from dspark.corpus.sources import Corpus
 from dspark.decoding.sampling import SamplingParams
 from dspark.errors import UserError
 from dspark.models import DrafterConfig, build_drafter, count_params, load_drafter, save_drafter
-from dspark.models.drafter import select_draft_vocab
 from dspark.storage import Storage
-from dspark.train.loop import fit
+from dspark.train.loop import draft_vocabulary, fit
 from dspark.train.loss import LossWeights, drafter_loss, summarize
 
 TRAIN_DEFAULTS = ["train.global_batch=16", "train.micro_batch=8", "train.lr=1e-3", "train.anchors_per_seq=32"]
@@ -108,8 +107,7 @@ def make_drafter(name, tgt, cache, cfg):
     torch.manual_seed(cfg.train.seed)
     drafter = build_drafter(dc, tgt.model)
     if tc.draft_vocab:
-        counts = token_counts(cache, cache.manifest.shards, tgt.config.vocab_size)
-        drafter.set_draft_vocab(select_draft_vocab(counts, tc.draft_vocab))
+        drafter.set_draft_vocab(draft_vocabulary(cache, cache.manifest.shards, tc.draft_vocab)[0])
     return drafter, tc
 
 

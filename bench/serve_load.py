@@ -135,8 +135,7 @@ async def load(url, prompts, users, seconds, max_requests, sampling) -> dict:
 def save_costs(url: str, path: Path) -> None:
     """The cost table a running engine profiled at its start (its own replica's threads and neighbours),
     saved for the other modes."""
-    t = httpx.get(url + "/v1/engine", timeout=30).json()["sps"]
-    SPSTable(t["batch"], t["sps"], t["hardware"], t["draft_batch"], t["draft_s"]).save(path)
+    SPSTable(**httpx.get(url + "/v1/engine", timeout=30).json()["sps"]).save(path)
 
 
 def print_costs(path: Path) -> None:

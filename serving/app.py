@@ -396,15 +396,13 @@ async def _events(gen) -> AsyncIterator[Event]:
 
 async def _collect(ev: Event, events: AsyncIterator[Event]) -> tuple[str, list | None, Done | Error]:
     """A whole answer: its text, its logprobs entries (None: not asked for) and the final Done or Error."""
-    text, logprobs = "", None
+    text, entries = "", []
     while isinstance(ev, Text):
         text += ev.delta
-        if ev.logprobs is not None:
-            logprobs = (logprobs or []) + ev.logprobs
+        entries.extend(ev.logprobs or [])
         ev = await anext(events)
-    if isinstance(ev, Done) and ev.info.get("logprobs") is not None:
-        logprobs = (logprobs or []) + ev.info["logprobs"]
-    return text, logprobs, ev
+    rest = ev.info.get("logprobs") if isinstance(ev, Done) else None  # None: not asked for
+    return text, None if rest is None else entries + rest, ev
 
 
 def _data(obj: dict) -> str:

@@ -259,16 +259,17 @@ def test_sampling_matches_target_distribution(request, target, name, policy):
     assert p_value > 1e-3, (name, p_value, n)
 
 
-@pytest.mark.parametrize("kind", ["cost", "idle"])
+@pytest.mark.parametrize("kind", ["cost", "idle", "gap"])
 def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     """The engine's adaptive path: a DraftGate decides before each round whether to draft at all, and a
     drafted round prices its lengths with the drafting time as paid. cost: drafting costs 20 target
     steps, so the gate skips whenever it has measured acceptance, probing every other round; inside a
     drafted round the sunk cost makes Algorithm 1 verify more. idle: every other drafted round verifies
-    nothing, which stops drafting until the next probe."""
+    nothing, which stops drafting until the next probe. gap: as cost, but a probe also waits until its
+    drafting round costs at most `overhead` of the plain rounds before it (3-4 rounds here, from R)."""
     model, prompt = tiny
     law = _exact_law(model, prompt)
-    if kind == "cost":
+    if kind in ("cost", "gap"):
         cost = SPSTable(KNEE.batch, KNEE.sps, draft_batch=[1, 256], draft_s=[0.2, 0.2])
         policy = policies.make_policy("greedy", cost)
     else:
@@ -277,7 +278,10 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         def policy(s, R, g):
             return [0] * R if next(calls) % 2 == 0 else [g] * R
 
-    gate = policies.DraftGate(cost, 4, max_interval=1)
+    if kind == "gap":  # probe_gap(R) = ceil(0.2 s x SPS(R) / 6.0): 3 or 4 plain rounds, whatever the ramp says
+        gate = policies.DraftGate(cost, 4, max_interval=4, overhead=6.0)
+    else:
+        gate = policies.DraftGate(cost, 4, max_interval=1)
     dec = SpeculativeDecoder(model, PerturbedTarget(model, 4), gamma=4, policy=policy, max_slots=256, gate=gate)
     reqs = dec.run([Request(prompt, SP, 3, seed) for seed in range(10_000)])
     p_value, power = _chi2(law, [tuple(r.out[:3]) for r in reqs])
@@ -288,9 +292,10 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         f"[exactness] draft gate ({kind}): chi-square p={p_value:.3f}, power {power:.3f}, skipped rounds "
         f"{skipped:.2f}, mean verified in drafted rounds {verified:.2f} of 4"
     )
-    assert 0.2 < skipped < 0.6 and any(r.verified == 4 for r in rounds)  # both kinds of round happened
+    low, high = (0.6, 0.9) if kind == "gap" else (0.2, 0.6)
+    assert low < skipped < high and any(r.verified == 4 for r in rounds)  # both kinds of round happened
     assert all(r.verified == 0 and r.conf_logit is None for r in rounds if not r.drafted)
-    if kind == "cost":  # the sunk drafting cost: Algorithm 1 verifies more than on the SPS curve alone
+    if kind != "idle":  # the sunk drafting cost: Algorithm 1 verifies more than on the SPS curve alone
         assert verified > 3
     assert power >= 0.9 and p_value > 1e-3, p_value
 

@@ -21,11 +21,11 @@ from ray.train import (
 from ray.train.torch import TorchTrainer
 
 from dspark import artifacts, tracking
-from dspark.cache.read import check_shards, dataset, open_cache, token_counts
+from dspark.cache.read import check_shards, dataset, open_cache
 from dspark.cluster import quiet_ray_data
 from dspark.config import Config
-from dspark.models.drafter import select_draft_vocab
 from dspark.storage import Storage
+from dspark.train.loop import draft_vocabulary
 from dspark.train.worker import train_loop_per_worker
 
 
@@ -65,9 +65,8 @@ def fit(cfg: Config, log=print, in_memory: bool = False) -> dict:
         ds = ds.materialize()
     draft_ids = None  # the draft vocabulary: the cache's most frequent response tokens
     if tc.draft_vocab:
-        counts = token_counts(cache, shards, int(cache.manifest.target["vocab_size"]))
-        draft_ids = select_draft_vocab(counts, tc.draft_vocab).tolist()
-        covered = float(counts[draft_ids].sum()) / max(int(counts.sum()), 1)
+        ids, covered = draft_vocabulary(cache, shards, tc.draft_vocab)
+        draft_ids = ids.tolist()
         log(f"[train] draft vocabulary: {tc.draft_vocab} tokens cover {covered:.1%} of the cache's response tokens")
     run_id = _mlflow_run(cfg, storage, runs_uri, name)
     fs, path = _run_storage(storage, runs_uri)

@@ -12,7 +12,18 @@ from typing import Callable, Iterator
 
 import torch
 
+from dspark.cache.format import ShardStats
+from dspark.cache.read import Cache, token_counts
+from dspark.models.drafter import select_draft_vocab
 from dspark.train.loss import LossWeights, drafter_loss, summarize
+
+
+def draft_vocabulary(cache: Cache, shards: list[ShardStats], size: int) -> tuple[torch.Tensor, float]:
+    """train.draft_vocab's ids: the `size` most frequent response tokens of `shards` (ties: the lower id),
+    and the share of the shards' response tokens they cover."""
+    counts = token_counts(cache, shards, int(cache.manifest.target["vocab_size"]))
+    ids = select_draft_vocab(counts, size)
+    return ids, float(counts[ids].sum()) / max(int(counts.sum()), 1)
 
 
 def lr_factor(step: int, total: int, warmup_frac: float) -> float:
