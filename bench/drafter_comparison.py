@@ -101,11 +101,12 @@ def make_drafter(name, tgt, cache, cfg):
         gamma=gamma,
         markov=markov,
         markov_rank=tc.markov_rank,
+        sample_from_anchor=tc.sample_from_anchor,
         draft_vocab=tc.draft_vocab,
         target=cache.manifest.target,
     )
     torch.manual_seed(cfg.train.seed)
-    drafter = build_drafter(dc, tgt.model)
+    drafter = build_drafter(dc, tgt.model).float()  # trained in float32 (as the distributed trainer), any target dtype
     if tc.draft_vocab:
         drafter.set_draft_vocab(draft_vocabulary(cache, cache.manifest.shards, tc.draft_vocab)[0])
     return drafter, tc
@@ -249,7 +250,7 @@ def main(argv=None):
         if args.eval_only or (out / name / "model.safetensors").exists():
             drafters[name] = load_drafter(out / name, tgt.model, tgt.weights_sha256)
             continue
-        drafters[name], info[name] = train_variant(
+        trained, info[name] = train_variant(
             name,
             tgt,
             caches[parse(name)[4]],
@@ -261,6 +262,7 @@ def main(argv=None):
             args.heldout if args.curve_every else 0.0,
             args.budget_s,
         )
+        drafters[name] = trained.to(next(tgt.model.parameters()).dtype)  # evaluated as load_drafter serves it
         (out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
     if any(v.get("curve") for v in info.values()):
         plot_curves(info, out / "learning_curves.png")

@@ -7,7 +7,8 @@ so it imports nothing from this project:
     .local/venvs/speculators/bin/python bench/speculators_check.py EXPORT_DIR --verifier TARGET_FOLDER
 
 The block is computed the way speculators' DFlash/DSpark backbone does it (context = hidden_norm(fc(aux))
-at positions < p, the block [x_p, MASK, ...] at positions p.., non-causal inside the block), and for
+at positions < p, the block [x_p, MASK, ...] at positions p.., non-causal inside the block; with
+`sample_from_anchor: false` the drafts are the masks' outputs), and for
 EAGLE-3 its first drafting step at every position, from the loaded modules: a wrong key, layer id or
 vocabulary order shows up as a difference.
 """
@@ -34,6 +35,7 @@ def block(m, aux: torch.Tensor, ids: torch.Tensor, p: int):
     """Draft logits (B, V_d) and, for DSpark, confidence logits (B,) of the block anchored at p."""
     c = m.config
     B = c.block_size
+    G = B if getattr(c, "sample_from_anchor", True) else B - 1  # fill-in: the anchor's own output is unused
     blk = torch.full((1, B), c.mask_token_id, dtype=torch.long)
     blk[0, 0] = ids[0, p]
     x = m.embed_tokens(blk)
@@ -42,11 +44,11 @@ def block(m, aux: torch.Tensor, ids: torch.Tensor, p: int):
     pe = m.rotary_emb(x, pos)
     for layer in m.layers:
         x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_ids=pos, position_embeddings=pe)
-    hid = m.norm(x)  # (1, B, d)
+    hid = m.norm(x)[:, B - G :]  # (1, G, d): the slots that predict x_{p+1} .. x_{p+G}
     logits = m.lm_head(hid)
     conf = None
     if getattr(m, "markov_head", None) is not None:
-        prev = ids[:, p : p + B]  # slot k conditions on x_{p+k} (sample_from_anchor)
+        prev = ids[:, p : p + G]  # draft k conditions on x_{p+k-1}
         e = m.markov_head.prev_embeddings(prev)
         logits = logits + m.markov_head.block_bias(prev_token_ids=prev, hidden_states=hid, prev_emb=e)
         conf = m.confidence_head(torch.cat([hid, e], -1)).squeeze(-1)[0]

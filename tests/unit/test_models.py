@@ -29,8 +29,10 @@ def tgt():
 DRAFT_IDS = list(range(0, 4096, 3))
 
 
-def _drafter(tgt, kind, markov, draft_ids=None):
-    d = untrained_drafter(tgt, kind, GAMMA, num_layers=2, markov=markov, draft_ids=draft_ids)
+def _drafter(tgt, kind, markov, draft_ids=None, sample_from_anchor=True):
+    d = untrained_drafter(
+        tgt, kind, GAMMA, num_layers=2, markov=markov, draft_ids=draft_ids, sample_from_anchor=sample_from_anchor
+    )
     with torch.no_grad():  # random, non-trivial Markov and confidence heads (some start at zero)
         for p in d.parameters():
             if p.requires_grad and p.abs().sum() == 0:
@@ -49,22 +51,24 @@ def _batch(tgt, B=2):
 
 
 @pytest.mark.parametrize(
-    "kind, markov, draft_ids",
+    "kind, markov, draft_ids, sample_from_anchor",
     [
-        ("dspark", "vanilla", None),
-        ("dspark", "gated", None),
-        ("dspark", "rnn", None),
-        ("dflash", "none", None),
-        ("eagle3", "none", None),
-        ("dspark", "rnn", DRAFT_IDS),
-        ("dflash", "none", DRAFT_IDS),
-        ("eagle3", "none", DRAFT_IDS),
+        ("dspark", "vanilla", None, True),
+        ("dspark", "gated", None, True),
+        ("dspark", "rnn", None, True),
+        ("dflash", "none", None, True),
+        ("eagle3", "none", None, True),
+        ("dspark", "rnn", DRAFT_IDS, True),
+        ("dflash", "none", DRAFT_IDS, True),
+        ("eagle3", "none", DRAFT_IDS, True),
+        ("dflash", "none", None, False),  # the fill-in block (gamma + 1 slots)
+        ("dspark", "vanilla", DRAFT_IDS, False),
     ],
 )
-def test_packed_training_equals_per_block_decoding(tgt, kind, markov, draft_ids):
+def test_packed_training_equals_per_block_decoding(tgt, kind, markov, draft_ids, sample_from_anchor):
     """With a draft vocabulary, training's logits are over it and decoding samples from the same
     logits scattered to the whole vocabulary, -inf (q = 0) elsewhere."""
-    drafter = _drafter(tgt, kind, markov, draft_ids)
+    drafter = _drafter(tgt, kind, markov, draft_ids, sample_from_anchor)
     inside = torch.zeros(tgt.config.vocab_size, dtype=torch.bool)
     inside[draft_ids if draft_ids is not None else slice(None)] = True
     ids, feats, valid = _batch(tgt)

@@ -19,11 +19,13 @@ import logging
 import time
 import uuid
 from dataclasses import asdict
+from typing import Callable
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
+from ray.experimental import tqdm_ray
 
 from dspark import target as targets
 from dspark.artifacts import cache_uri
@@ -89,15 +91,21 @@ class ShardBuilder:
 
     def build_shard(self, shard_id: int, convs: list[Conversation]) -> dict:
         cc = self.cfg.cache
-        turns = regenerate(
-            self.tgt.model,
-            self.tok,
-            convs,
-            cc,
-            cc.seed * 100_003 + shard_id,
-            self.tgt.eos_token_ids,
-            self.cfg.target.chat_template_kwargs,
-        )
+        # the target answering a shard is the long wait (minutes on a CPU): a bar per shard, drawn by the driver
+        bar = tqdm_ray.tqdm(desc=f"[cache] shard {shard_id} answers", total=sum(len(c.turns) for c in convs))
+        try:
+            turns = regenerate(
+                self.tgt.model,
+                self.tok,
+                convs,
+                cc,
+                cc.seed * 100_003 + shard_id,
+                self.tgt.eos_token_ids,
+                self.cfg.target.chat_template_kwargs,
+                progress=bar.update,
+            )
+        finally:
+            bar.close()
         cols = make_rows(self.tgt.model, self.layers, cc.codec, *turn_rows(convs, turns))
         fs, root = self.storage.pyarrow_fs(self.cache_uri)
         stats = publish_shard(fs, root, shard_id, cols, shard_record(self.settings, [c.conv_id for c in convs]))
@@ -148,11 +156,13 @@ def regenerate(
     eos_ids: tuple[int, ...] = (),
     chat_template_kwargs: dict | None = None,
     answer_last: bool = True,
+    progress: Callable[[int], object] | None = None,
 ) -> list[list[tuple[list[int], list[int]]]]:
     """The target answers the conversations itself, the paper's protocol: user turn t is rendered with the
     target's chat template after the target's own answers to turns 1..t-1, then answered; batched over the
     conversations turn by turn. Per conversation and turn: (prompt ids, response ids ending at its first EOS);
-    with answer_last=False the last turn's prompt is rendered but not answered (its response is [])."""
+    with answer_last=False the last turn's prompt is rendered but not answered (its response is []).
+    `progress(n)` is called as each batch of n answers is generated."""
     torch.manual_seed(seed)
     eos = tuple(eos_ids) or (tok.eos_token_id,)
     answers: list[list[str]] = [[] for _ in convs]
@@ -161,7 +171,8 @@ def regenerate(
         live = [i for i, c in enumerate(convs) if t < len(c.turns)]
         prompts = [chat_ids(tok, convs[i].messages(answers[i]), True, chat_template_kwargs) for i in live]
         ask = [k for k, i in enumerate(live) if answer_last or t < len(convs[i].turns) - 1]
-        responses = dict(zip(ask, generate(model, [prompts[k] for k in ask], cc, eos, tok.pad_token_id))) if ask else {}
+        answered = generate(model, [prompts[k] for k in ask], cc, eos, tok.pad_token_id, progress) if ask else []
+        responses = dict(zip(ask, answered))
         for k, (i, p) in enumerate(zip(live, prompts)):
             out[i].append((p, responses.get(k, [])))
             answers[i].append(tok.decode(responses.get(k, []), skip_special_tokens=True))
@@ -169,9 +180,11 @@ def regenerate(
 
 
 @torch.no_grad()
-def generate(model, prompts: list[list[int]], cc, eos: tuple[int, ...], pad: int) -> list[list[int]]:
+def generate(
+    model, prompts: list[list[int]], cc, eos: tuple[int, ...], pad: int, progress: Callable[[int], object] | None = None
+) -> list[list[int]]:
     """Responses to token-id prompts: batched, left-padded, KV-cached HF generation with the configured
-    sampling (`cc` is a CacheConfig), each cut after its first EOS."""
+    sampling (`cc` is a CacheConfig), each cut after its first EOS; progress(n) after each batch of n."""
     device = next(model.parameters()).device
     sampling = (
         dict(do_sample=True, temperature=cc.temperature, top_p=cc.top_p, top_k=cc.top_k or None)
@@ -196,6 +209,8 @@ def generate(model, prompts: list[list[int]], cc, eos: tuple[int, ...], pad: int
             **sampling,
         )
         responses += [cut_response(row, eos) for row in gen[:, width:].tolist()]
+        if progress:
+            progress(len(enc))
     return responses
 
 

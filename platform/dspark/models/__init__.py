@@ -26,6 +26,10 @@ def build_drafter(c: DrafterConfig, target) -> Drafter:
     """`target` is the target HF model or an already extracted FrozenTargetHead."""
     head = target if isinstance(target, FrozenTargetHead) else FrozenTargetHead.from_target(target)
     if c.kind == "eagle3":
+        if not c.sample_from_anchor:
+            raise UserError(
+                "train.sample_from_anchor: false is a parallel (dspark/dflash) block; eagle3 drafts sequentially"
+            )
         return Eagle3(c, head)
     if c.kind == "dflash":
         c.markov = "none"

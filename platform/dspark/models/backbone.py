@@ -1,7 +1,8 @@
 """The parallel (DFlash-style) backbone: one forward drafts a whole block.
 
-Input block for an anchor at position p: [x_p, MASK, ..., MASK] (gamma slots) at positions
-p .. p+gamma-1; slot i predicts the token at p+i+1. Every draft layer attends to
+Input block for an anchor at position p: [x_p, MASK, ..., MASK] (L slots) at positions p .. p+L-1;
+L = gamma and slot i predicts the token at p+i+1 (or, the fill-in block, L = gamma + 1 and mask i the
+token at its own position p+i: DrafterConfig.sample_from_anchor). Every draft layer attends to
     keys/values = [k/v_proj(C_j) for context j < p ; k/v_proj(block)]
 where C is the fused target context. Visibility: context strictly before the anchor plus the whole
 own block (bidirectional); never another block. Training packs N blocks of a sequence into one
@@ -39,21 +40,21 @@ class ParallelBackbone(nn.Module):
         return self.norm(x)
 
 
-def block_positions(anchors: torch.Tensor, gamma: int) -> torch.Tensor:
-    """anchors (B, N) -> slot positions (B, N*gamma): p_n + i."""
+def block_positions(anchors: torch.Tensor, L: int) -> torch.Tensor:
+    """anchors (B, N) -> slot positions (B, N*L): p_n + i."""
     B, N = anchors.shape
-    return (anchors[:, :, None] + torch.arange(gamma, device=anchors.device)).reshape(B, N * gamma)
+    return (anchors[:, :, None] + torch.arange(L, device=anchors.device)).reshape(B, N * L)
 
 
-def packed_mask(anchors: torch.Tensor, ctx_valid: torch.Tensor, gamma: int) -> torch.Tensor:
-    """Visibility for N packed blocks per sequence.
+def packed_mask(anchors: torch.Tensor, ctx_valid: torch.Tensor, L: int) -> torch.Tensor:
+    """Visibility for N packed blocks of L slots per sequence.
 
-    anchors (B, N) positions; ctx_valid (B, C) context rows that exist. Returns (B, 1, N*gamma, C + N*gamma):
+    anchors (B, N) positions; ctx_valid (B, C) context rows that exist. Returns (B, 1, N*L, C + N*L):
     query (n, i) sees context j iff j < anchors[n] and ctx_valid[j], and block key (n', i') iff n' == n."""
     B, N = anchors.shape
     C = ctx_valid.shape[1]
     j = torch.arange(C, device=anchors.device)
     ctx = (j[None, None, :] < anchors[:, :, None]) & ctx_valid[:, None, :]  # (B, N, C)
-    ctx = ctx[:, :, None, :].expand(B, N, gamma, C).reshape(B, N * gamma, C)
-    blk = torch.block_diag(*[torch.ones(gamma, gamma, dtype=torch.bool, device=anchors.device)] * N)  # (NG, NG)
+    ctx = ctx[:, :, None, :].expand(B, N, L, C).reshape(B, N * L, C)
+    blk = torch.block_diag(*[torch.ones(L, L, dtype=torch.bool, device=anchors.device)] * N)  # (NL, NL)
     return torch.cat([ctx, blk[None].expand(B, -1, -1)], -1)[:, None]

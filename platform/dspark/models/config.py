@@ -23,17 +23,25 @@ class DrafterConfig:
     rope_theta: float
     rms_norm_eps: float
     tap_layers: list[int]  # which target layers feed the context (m = len)
-    mask_token_id: int  # filler of the parallel block's slots 1..gamma-1
+    mask_token_id: int  # filler of the parallel block's mask slots
     num_layers: int = 2  # draft layers
     gamma: int = 7  # draft tokens per round the drafter is trained for
     markov: MarkovKind = "vanilla"  # DSpark's sequential head; "none" for DFlash / EAGLE-3
     markov_rank: int = 256  # r
     draft_vocab: int = 0  # V_d: the drafter proposes only V_d target tokens (0 = all V); ids in its weights
+    # the parallel block (DSpark/DFlash): True = gamma slots [x_p, MASK..] where slot k predicts x_{p+k+1}
+    # (DSpark's, DeepSpec's); False = the fill-in block of gamma + 1 slots [x_p, MASK x gamma] where each
+    # mask predicts the token at its own position (z-lab's DFlash, the only block vLLM's DFlash serves)
+    sample_from_anchor: bool = True
     target: dict = field(default_factory=dict)  # name and weights hash of the target it was trained for
 
     @property
     def m(self) -> int:
         return len(self.tap_layers)
+
+    def block_len(self, gamma: int) -> int:
+        """Slots of a parallel block drafting gamma tokens (see sample_from_anchor)."""
+        return gamma if self.sample_from_anchor else gamma + 1
 
     @classmethod
     def from_target(cls, hf_config, kind: Kind, tap_layers: list[int], mask_token_id: int, **kw) -> "DrafterConfig":

@@ -5,6 +5,10 @@ Drafting one round (anchor x_0 at position p):
     for k = 1..gamma:                                                           cheap sequential loop
         p_k = softmax(U_k + B_k(x_{<k}))   x_k ~ p_k   c_k = σ(w·[h_k; W1[x_{k-1}]] + b)
 DFlash samples every slot from softmax(U_k) independently.
+
+The fill-in block (`sample_from_anchor: false`, z-lab's DFlash): the backbone reads gamma + 1 slots
+[x_0, MASK x gamma] at positions p .. p+gamma and h_k is the output at the k-th mask (position p+k),
+the slot of the token it predicts; the anchor's own output is not used. Everything after is the same.
 """
 
 from __future__ import annotations
@@ -31,23 +35,23 @@ class DSpark(Drafter):
     def has_confidence(self) -> bool:
         return self.confidence is not None
 
-    def _block(self, anchor_tokens: torch.Tensor, gamma: int) -> torch.Tensor:
-        """anchor_tokens (..., ) -> block ids (..., gamma): [x_0, MASK, ..., MASK]."""
+    def _block(self, anchor_tokens: torch.Tensor, L: int) -> torch.Tensor:
+        """anchor_tokens (..., ) -> block ids (..., L): [x_0, MASK, ..., MASK]."""
         block = torch.full(
-            (*anchor_tokens.shape, gamma), self.c.mask_token_id, dtype=torch.long, device=anchor_tokens.device
+            (*anchor_tokens.shape, L), self.c.mask_token_id, dtype=torch.long, device=anchor_tokens.device
         )
         block[..., 0] = anchor_tokens
         return block
 
     def train_outputs(self, feats, ids, valid, anchors, gamma):
         B, T = ids.shape
-        N = anchors.shape[1]
+        N, L = anchors.shape[1], self.c.block_len(gamma)
         pos_ctx = torch.arange(T, device=ids.device).expand(B, T)
         ctx_kv = self.backbone.context_kv(feats, pos_ctx)
-        block = self._block(ids.gather(1, anchors), gamma)  # (B, N, G)
-        x = self.head.embed(block.reshape(B, N * gamma)).to(feats.dtype)  # (B, N*G, d)
-        h = self.backbone(x, block_positions(anchors, gamma), ctx_kv, packed_mask(anchors, valid, gamma))
-        h = h.view(B, N, gamma, -1)  # (B, N, G, d)
+        block = self._block(ids.gather(1, anchors), L)  # (B, N, L)
+        x = self.head.embed(block.reshape(B, N * L)).to(feats.dtype)  # (B, N*L, d)
+        h = self.backbone(x, block_positions(anchors, L), ctx_kv, packed_mask(anchors, valid, L))
+        h = h.view(B, N, L, -1)[:, :, L - gamma :]  # (B, N, G, d): the slots that predict x_{p+1..p+G}
         logits = self.logits(h)  # (B, N, G, V_d) base logits U
         out = {"hidden": h}
         if self.markov is not None:
@@ -73,19 +77,19 @@ class DSpark(Drafter):
 
     @torch.no_grad()
     def propose(self, states: list[DraftState], anchors: torch.Tensor, gamma: int, sample: Sampler) -> Proposal:
-        R = len(states)
+        R, L = len(states), self.c.block_len(gamma)
         ctx_kv, valid = pad_states(states, len(self.backbone.layers))
         p = torch.tensor([s.length for s in states], device=anchors.device)  # anchor positions
-        pos = p[:, None] + torch.arange(gamma, device=anchors.device)  # (R, G)
+        pos = p[:, None] + torch.arange(L, device=anchors.device)  # (R, L)
         mask = torch.cat(
             [
-                valid[:, None, :].expand(R, gamma, -1),
-                torch.ones(R, gamma, gamma, dtype=torch.bool, device=anchors.device),
+                valid[:, None, :].expand(R, L, -1),
+                torch.ones(R, L, L, dtype=torch.bool, device=anchors.device),
             ],
             -1,
         )[:, None]
-        x = self.head.embed(self._block(anchors, gamma)).to(ctx_kv[0][0].dtype)  # (R, G, d)
-        h = self.backbone(x, pos, ctx_kv, mask)  # (R, G, d)
+        x = self.head.embed(self._block(anchors, L)).to(ctx_kv[0][0].dtype)  # (R, L, d)
+        h = self.backbone(x, pos, ctx_kv, mask)[:, L - gamma :]  # (R, G, d)
         U = self.logits(h).float()  # (R, G, V_d)
         if self.markov is None:  # DFlash: every slot independently
             toks, probs = zip(*(sample(self.to_target_vocab(U[:, k])) for k in range(gamma)))

@@ -117,6 +117,7 @@ def drafter_for(cfg: Config, layers: list[int], target: dict, device, draft_ids:
         gamma=tc.gamma,
         markov=tc.markov if tc.drafter == "dspark" else "none",
         markov_rank=tc.markov_rank,
+        sample_from_anchor=tc.sample_from_anchor,
         draft_vocab=len(draft_ids) if draft_ids else 0,
         target=target,
     )
