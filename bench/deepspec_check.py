@@ -13,7 +13,9 @@ The model is built from the export's config.json (Qwen3DSparkModel, or Qwen3Eagl
 model.safetensors strictly; its block is computed with DeepSpec's helpers (create_noise_embed,
 create_position_ids, create_dspark_attention_mask, _forward_backbone, compute_logits, the Markov head's
 apply_block_logits, the confidence head) at the reference's anchor; EAGLE-3's first drafting step with
-its forward over the whole sequence. DeepSpec always drafts over the whole vocabulary: an export with
+its forward over the whole sequence. When the verifier named in config.json is a local folder, its
+hidden states at target_layer_ids (DeepSpec's extract_context_feature) must be the reference's features:
+the tap-layer numbering. DeepSpec always drafts over the whole vocabulary: an export with
 a draft vocabulary is loaded with lm_head and markov_w2 sized to draft_vocab_size (the convention vLLM's
 Qwen3DSparkModel loader reads), every other tensor as DeepSpec defines it.
 """
@@ -74,6 +76,17 @@ def block(m, cfg, aux: torch.Tensor, ids: torch.Tensor, p: int):
 
 
 @torch.no_grad()
+def verifier_aux(verifier: str, ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """The verifier's context features at the config's target_layer_ids, taken by DeepSpec's own
+    extract_context_feature from HF's hidden states (index 0 = the embeddings)."""
+    from deepspec.modeling.dspark.common import extract_context_feature
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.float32).eval()
+    return extract_context_feature(model(input_ids=ids, output_hidden_states=True).hidden_states, layer_ids)
+
+
+@torch.no_grad()
 def eagle3_step0(m, aux: torch.Tensor, ids: torch.Tensor):
     """EAGLE-3's first drafting step at every position t (taps at t, token t+1), causal: (T-1, V')."""
     T1 = ids.shape[1] - 1
@@ -93,6 +106,13 @@ def main():
     path = Path(args.export_dir)
     m, cfg = load(path)
     ref = load_file(str(path / "reference.safetensors"))
+    ok = True
+    verifier = getattr(cfg, "target_model_name_or_path", "")
+    if Path(verifier).is_dir():  # the tap-layer convention: the verifier's own features at target_layer_ids
+        aux = verifier_aux(verifier, ref["input_ids"], list(cfg.target_layer_ids))
+        adiff = (aux - ref["aux"]).abs().max().item()
+        print(f"verifier features at target_layer_ids {list(cfg.target_layer_ids)}: max abs diff {adiff:.2e}")
+        ok = adiff <= 1e-3 * max(1.0, ref["aux"].abs().max().item())
     if cfg.architectures[0] == "Qwen3Eagle3Model":
         logits, conf = eagle3_step0(m, ref["aux"], ref["input_ids"])
     else:
@@ -103,7 +123,7 @@ def main():
     print(f"{type(m).__name__} (markov {head}) from {path}: draft logits {tuple(logits.shape)}", end=", ")
     print(f"max abs diff {diff:.2e}")
     print(f"top-1 agreement per slot: {agree}")
-    ok = diff <= args.tol and all(agree)
+    ok = ok and diff <= args.tol and all(agree)
     if conf is not None:
         cdiff = (conf - ref["confidence_logit"]).abs().max().item()
         print(f"confidence logits max abs diff {cdiff:.2e}")
