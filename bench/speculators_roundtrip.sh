@@ -3,7 +3,9 @@
 # venv (it pins transformers <= 5.19; made once under .local/venvs/speculators), checking that it
 # reproduces our draft and confidence logits and that the exported aux ids pick our tapped layers.
 #     bench/speculators_roundtrip.sh DRAFTER_URI [DRAFTER_URI ...]
-#     CONFIG=configs/smollm2.yaml DTYPE=float32 bench/speculators_roundtrip.sh .local/store/drafters/smollm2-dspark
+#     CONFIG=configs/smollm2.yaml DTYPE=float32 EXPORT_ARGS="--set target.dtype=float32" \
+#         bench/speculators_roundtrip.sh .local/store/drafters/smollm2-dspark
+# (the verifier is loaded in float32: a bfloat16 target's reference features differ from it by rounding)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${SPECULATORS_VENV:-.local/venvs/speculators}
@@ -19,7 +21,7 @@ status=0
 for drafter in "$@"; do
     out="$OUT/$(basename "$drafter")-$DTYPE"
     if ! .venv/bin/python jobs/export.py ${CONFIG:+--config "$CONFIG"} --drafter "$drafter" --out "$out" \
-        --dtype "$DTYPE" --reference; then
+        --dtype "$DTYPE" --reference ${EXPORT_ARGS:-}; then
         status=1
         continue
     fi
