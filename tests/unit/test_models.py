@@ -7,12 +7,14 @@ drafter family the logits (and confidence logits) of both paths must agree.
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny_models import untrained_drafter
 
 from dspark import target as targets
 from dspark.errors import UserError
 from dspark.models import load_drafter, save_drafter
 from dspark.models.drafter import DraftState, select_draft_vocab
+from dspark.models.layers import block_attention
 from dspark.train.anchors import sample_anchors, slot_labels
 from dspark.train.loss import LossWeights, drafter_loss
 
@@ -121,6 +123,26 @@ def test_a_few_steps_on_one_batch_lower_the_loss(tgt, kind, markov):
         opt.step()
         losses.append(float(loss.detach() / w))
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_block_attention_is_dense_attention_with_a_block_diagonal_mask():
+    g = torch.Generator().manual_seed(0)
+    B, H, KVH, N, L, P, hd = 2, 6, 2, 5, 3, 11, 8
+    q = torch.randn(B, H, N * L, hd, generator=g)
+    k, v = torch.randn(B, KVH, N * L, hd, generator=g), torch.randn(B, KVH, N * L, hd, generator=g)
+    prefix = (torch.randn(B, KVH, P, hd, generator=g), torch.randn(B, KVH, P, hd, generator=g))
+    ctx = torch.rand(B, 1, N * L, P, generator=g) < 0.6
+    ctx[0, 0, :L] = False  # a block that sees no context at all
+    got = block_attention(q, prefix, ctx, k, v, L)
+    own = torch.block_diag(*[torch.ones(L, L, dtype=torch.bool)] * N).expand(B, 1, -1, -1)
+    want = F.scaled_dot_product_attention(
+        q,
+        torch.cat([prefix[0], k], 2),
+        torch.cat([prefix[1], v], 2),
+        attn_mask=torch.cat([ctx, own], -1),
+        enable_gqa=True,
+    )
+    assert (got - want).abs().max() < 1e-5
 
 
 def test_draft_state_appends_into_buffers_that_double():

@@ -6,7 +6,8 @@ token at its own position p+i: DrafterConfig.sample_from_anchor). Every draft la
     keys/values = [k/v_proj(C_j) for context j < p ; k/v_proj(block)]
 where C is the fused target context. Visibility: context strictly before the anchor plus the whole
 own block (bidirectional); never another block. Training packs N blocks of a sequence into one
-forward with exactly this mask (`packed_mask`), so packed logits equal per-block inference logits.
+forward with exactly this visibility (`packed_mask` for the context, `block_attention` for the blocks),
+so packed logits equal per-block inference logits.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ class ParallelBackbone(nn.Module):
         ctx = self.fusion(feats)  # (B, C, d)
         return [layer.project_kv(ctx, pos) for layer in self.layers]
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, ctx_kv: list[KV], mask: torch.Tensor | None) -> torch.Tensor:
-        """x: (B, Q, d) block embeddings at pos (B, Q); mask (B, 1, Q, C+Q) -> final hidden (B, Q, d)."""
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, ctx_kv: list[KV], ctx_mask: torch.Tensor, L: int):
+        """x: (B, Q, d): Q / L blocks of L slot embeddings at pos (B, Q); ctx_mask (B, 1, Q, C) the context
+        each slot sees (its own block it sees whole) -> final hidden (B, Q, d)."""
         for layer, kv in zip(self.layers, ctx_kv):
-            x, _ = layer(x, pos, kv, mask)
+            x, _ = layer(x, pos, kv, ctx_mask, block=L)
         return self.norm(x)
 
 
@@ -47,14 +49,12 @@ def block_positions(anchors: torch.Tensor, L: int) -> torch.Tensor:
 
 
 def packed_mask(anchors: torch.Tensor, ctx_valid: torch.Tensor, L: int) -> torch.Tensor:
-    """Visibility for N packed blocks of L slots per sequence.
+    """Context visibility for N packed blocks of L slots per sequence (each block sees itself whole).
 
-    anchors (B, N) positions; ctx_valid (B, C) context rows that exist. Returns (B, 1, N*L, C + N*L):
-    query (n, i) sees context j iff j < anchors[n] and ctx_valid[j], and block key (n', i') iff n' == n."""
+    anchors (B, N) positions; ctx_valid (B, C) context rows that exist. Returns (B, 1, N*L, C):
+    query (n, i) sees context j iff j < anchors[n] and ctx_valid[j]."""
     B, N = anchors.shape
     C = ctx_valid.shape[1]
     j = torch.arange(C, device=anchors.device)
     ctx = (j[None, None, :] < anchors[:, :, None]) & ctx_valid[:, None, :]  # (B, N, C)
-    ctx = ctx[:, :, None, :].expand(B, N, L, C).reshape(B, N * L, C)
-    blk = torch.block_diag(*[torch.ones(L, L, dtype=torch.bool, device=anchors.device)] * N)  # (NL, NL)
-    return torch.cat([ctx, blk[None].expand(B, -1, -1)], -1)[:, None]
+    return ctx[:, :, None, :].expand(B, N, L, C).reshape(B, N * L, C)[:, None]

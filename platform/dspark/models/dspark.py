@@ -50,7 +50,7 @@ class DSpark(Drafter):
         ctx_kv = self.backbone.context_kv(feats, pos_ctx)
         block = self._block(ids.gather(1, anchors), L)  # (B, N, L)
         x = self.head.embed(block.reshape(B, N * L)).to(feats.dtype)  # (B, N*L, d)
-        h = self.backbone(x, block_positions(anchors, L), ctx_kv, packed_mask(anchors, valid, L))
+        h = self.backbone(x, block_positions(anchors, L), ctx_kv, packed_mask(anchors, valid, L), L)
         h = h.view(B, N, L, -1)[:, :, L - gamma :]  # (B, N, G, d): the slots that predict x_{p+1..p+G}
         logits = self.logits(h)  # (B, N, G, V_d) base logits U
         out = {"hidden": h}
@@ -81,15 +81,8 @@ class DSpark(Drafter):
         ctx_kv, valid = pad_states(states, len(self.backbone.layers))
         p = torch.tensor([s.length for s in states], device=anchors.device)  # anchor positions
         pos = p[:, None] + torch.arange(L, device=anchors.device)  # (R, L)
-        mask = torch.cat(
-            [
-                valid[:, None, :].expand(R, L, -1),
-                torch.ones(R, L, L, dtype=torch.bool, device=anchors.device),
-            ],
-            -1,
-        )[:, None]
         x = self.head.embed(self._block(anchors, L)).to(ctx_kv[0][0].dtype)  # (R, L, d)
-        h = self.backbone(x, pos, ctx_kv, mask)[:, L - gamma :]  # (R, G, d)
+        h = self.backbone(x, pos, ctx_kv, valid[:, None, None, :].expand(R, 1, L, -1), L)[:, L - gamma :]  # (R, G, d)
         U = self.logits(h).float()  # (R, G, V_d)
         if self.markov is None:  # DFlash: every slot independently
             toks, probs = zip(*(sample(self.to_target_vocab(U[:, k])) for k in range(gamma)))

@@ -33,6 +33,26 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
+def block_attention(q, prefix, ctx_mask, k, v, L: int) -> torch.Tensor:
+    """Attention of N packed blocks of L queries: each query sees the visible prefix and its own block.
+
+    q (B, H, N·L, hd); prefix k/v (B, KVH, P, hd); ctx_mask (B, 1, N·L, P) bool; k/v (B, KVH, N·L, hd) the
+    blocks' own. One softmax over [P prefix scores; L own-block scores] per query: the same result as a
+    dense (N·L) x (P + N·L) mask that is block-diagonal on the blocks' keys, with N·L·(P + L) scores
+    instead of N·L·(P + N·L) (training packs hundreds of anchors per sequence)."""
+    B, H, Q, hd = q.shape
+    N, g = Q // L, H // k.shape[1]  # blocks, query heads per kv head
+    kp, vp = (t.repeat_interleave(g, 1) for t in prefix)  # (B, H, P, hd)
+    kb, vb = (t.repeat_interleave(g, 1).view(B, H, N, L, hd) for t in (k, v))
+    scale = hd**-0.5
+    s_ctx = (q @ kp.transpose(-1, -2) * scale).masked_fill(~ctx_mask, float("-inf"))  # (B, H, Q, P)
+    s_own = q.view(B, H, N, L, hd) @ kb.transpose(-1, -2) * scale  # (B, H, N, L, L)
+    w = torch.cat([s_ctx, s_own.reshape(B, H, Q, L)], -1).softmax(-1)
+    P = kp.shape[2]
+    own = w[..., P:].reshape(B, H, N, L, L) @ vb  # (B, H, N, L, hd)
+    return w[..., :P] @ vp + own.reshape(B, H, Q, hd)
+
+
 class DraftLayer(nn.Module):
     """Pre-norm transformer block (Qwen3 layout: per-head q/k RMSNorm, GQA, SwiGLU MLP).
 
@@ -70,20 +90,23 @@ class DraftLayer(nn.Module):
         prefix: tuple[torch.Tensor, torch.Tensor] | None,
         mask: torch.Tensor | None,
         attn_in: torch.Tensor | None = None,
+        block: int = 0,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x: (B, Q, d) the residual stream at positions pos (B, Q); prefix k/v: (B, KVH, P, hd); mask:
         (B, 1, Q, P+Q) bool, True = visible (None = all visible); attn_in: (B, Q, attn_width·d) what q/k/v
-        read (default input_norm(x)). Returns (B, Q, d) and this call's own k/v."""
+        read (default input_norm(x)). block > 0: the queries are Q / block blocks of `block` tokens, each
+        seeing its own block whole and the prefix where mask (B, 1, Q, P) allows (block_attention).
+        Returns (B, Q, d) and this call's own k/v."""
         B, Q, _ = x.shape
         h = self.input_norm(x) if attn_in is None else attn_in
         q = self.q_norm(self.q_proj(h).view(B, Q, self.c.num_heads, self.c.head_dim))
         q = rope(q, pos, self.c.rope_theta).transpose(1, 2)  # (B, H, Q, hd)
         k, v = self.project_kv(h, pos)  # (B, KVH, Q, hd)
-        if prefix is not None:
-            k_all, v_all = torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2)
+        if block:
+            a = block_attention(q, prefix, mask, k, v, block)
         else:
-            k_all, v_all = k, v
-        a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)  # (B, H, Q, hd)
+            k_all, v_all = (torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2)) if prefix else (k, v)
+            a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)  # (B, H, Q, hd)
         x = x + self.o_proj(a.transpose(1, 2).reshape(B, Q, -1))
         h = self.post_norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h)), (k, v)

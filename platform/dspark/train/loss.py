@@ -61,19 +61,22 @@ def drafter_loss(
     out = drafter.train_outputs(feats, ids, valid, anchors, gamma)
     sel = lvalid  # only these slots enter the loss and the statistics
     logits = out["logits"][sel].float()  # (S, V_d)
-    B = ids.shape[0]
-    # target distribution for the token at p+k+1 comes from the hidden state at p+k
-    hid_pos = (label_pos - 1).view(B, -1)
-    h_t = batch["last_hidden"].gather(1, hid_pos[..., None].expand(-1, -1, batch["last_hidden"].shape[-1]))
-    h_t = h_t.view(*label_pos.shape, -1)[sel]  # (S, d)
+    B, T = ids.shape
+    last = batch["last_hidden"]  # (B, T, d)
     with torch.no_grad():
-        p_t = torch.softmax(drafter.head.logits(h_t.to(drafter.head.lm_head_weight.dtype)).float(), -1)  # (S, V)
+        # the target distribution for the token at p+k+1 comes from the hidden state at p+k; anchors' blocks
+        # overlap (N·gamma slots over T positions), so it is computed once per distinct position
+        flat = (torch.arange(B, device=ids.device)[:, None, None] * T + label_pos - 1)[sel]  # (S,) row·T + pos
+        uniq, inverse = torch.unique(flat, return_inverse=True)  # (U,), (S,)
+        h_u = last.reshape(B * T, -1)[uniq].to(drafter.head.lm_head_weight.dtype)  # (U, d)
+        p_u = torch.softmax(drafter.head.logits(h_u).float(), -1)  # (U, V)
         y = labels[sel]
-        outside = torch.zeros_like(p_t[:, 0])  # p_t's mass the drafter cannot propose
+        outside = torch.zeros_like(p_u[:, 0])  # p_t's mass the drafter cannot propose
         if drafter.draft_ids is not None:
-            p_t = p_t[:, drafter.draft_ids]  # (S, V_d)
-            outside = (1 - p_t.sum(-1)).clamp(min=0)
+            p_u = p_u[:, drafter.draft_ids]  # (U, V_d)
+            outside = (1 - p_u.sum(-1)).clamp(min=0)
             y = drafter.t2d[y]  # draft index, -1 outside V_d
+        p_t, outside = p_u[inverse], outside[inverse]  # (S, V_d), (S,)
     logp_d = torch.log_softmax(logits, -1)
     p_d = logp_d.exp()
     w = slot_weights(kind, gamma, lw, ids.device).expand_as(label_pos)[sel]  # (S,)
