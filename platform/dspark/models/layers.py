@@ -37,20 +37,25 @@ def block_attention(q, prefix, ctx_mask, k, v, L: int) -> torch.Tensor:
     """Attention of N packed blocks of L queries: each query sees the visible prefix and its own block.
 
     q (B, H, N·L, hd); prefix k/v (B, KVH, P, hd); ctx_mask (B, 1, N·L, P) bool; k/v (B, KVH, N·L, hd) the
-    blocks' own. One softmax over [P prefix scores; L own-block scores] per query: the same result as a
-    dense (N·L) x (P + N·L) mask that is block-diagonal on the blocks' keys, with N·L·(P + L) scores
-    instead of N·L·(P + N·L) (training packs hundreds of anchors per sequence)."""
+    blocks' own. The same result as dense attention over [prefix; blocks] with a mask that is
+    block-diagonal on the blocks' keys, computed as one softmax over [P prefix scores; L own-block
+    scores] per query: N·L·(P + L) scores instead of N·L·(P + N·L) (training packs hundreds of anchors
+    per sequence). One block (drafting) is plain fused attention."""
     B, H, Q, hd = q.shape
-    N, g = Q // L, H // k.shape[1]  # blocks, query heads per kv head
-    kp, vp = (t.repeat_interleave(g, 1) for t in prefix)  # (B, H, P, hd)
-    kb, vb = (t.repeat_interleave(g, 1).view(B, H, N, L, hd) for t in (k, v))
-    scale = hd**-0.5
-    s_ctx = (q @ kp.transpose(-1, -2) * scale).masked_fill(~ctx_mask, float("-inf"))  # (B, H, Q, P)
-    s_own = q.view(B, H, N, L, hd) @ kb.transpose(-1, -2) * scale  # (B, H, N, L, L)
-    w = torch.cat([s_ctx, s_own.reshape(B, H, Q, L)], -1).softmax(-1)
-    P = kp.shape[2]
-    own = w[..., P:].reshape(B, H, N, L, L) @ vb  # (B, H, N, L, hd)
-    return w[..., :P] @ vp + own.reshape(B, H, Q, hd)
+    KVH, P = k.shape[1], prefix[0].shape[2]
+    if Q == L:
+        mask = torch.cat([ctx_mask, ctx_mask.new_ones(B, 1, Q, Q)], -1)
+        kv = torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2)
+        return F.scaled_dot_product_attention(q, *kv, attn_mask=mask, enable_gqa=True)
+    N, g = Q // L, H // KVH  # blocks, query heads per kv head (head h reads kv head h // g)
+    qg = q.view(B, KVH, g, Q, hd) * hd**-0.5
+    s_ctx = (qg @ prefix[0][:, :, None].transpose(-1, -2)).masked_fill(~ctx_mask[:, :, None], float("-inf"))
+    kb, vb = k.view(B, KVH, 1, N, L, hd), v.view(B, KVH, 1, N, L, hd)
+    s_own = qg.view(B, KVH, g, N, L, hd) @ kb.transpose(-1, -2)  # (B, KVH, g, N, L, L)
+    w = torch.cat([s_ctx, s_own.reshape(B, KVH, g, Q, L)], -1).softmax(-1)  # (B, KVH, g, Q, P + L)
+    own = w[..., P:].reshape(B, KVH, g, N, L, L) @ vb  # (B, KVH, g, N, L, hd)
+    out = w[..., :P] @ prefix[1][:, :, None] + own.reshape(B, KVH, g, Q, hd)
+    return out.reshape(B, H, Q, hd)
 
 
 class DraftLayer(nn.Module):
