@@ -200,7 +200,7 @@ class EvalConfig(Section):
     # Calibration (STS fit on validation, ECE/AUROC on held-out): many more rounds than the speed
     # evaluation, decoded `calibration_batch` requests at a time (batching does not change outcomes'
     # law, only the wall clock). ECE is only meaningful well above its noise floor (~1.1/sqrt(rounds)).
-    calibration_prompts_per_domain: int = Field(16, ge=1)
+    calibration_prompts_per_domain: int = Field(16, ge=2)  # >= 2: the matched study splits them in halves
     calibration_max_new_tokens: int = Field(128, ge=1)
     calibration_batch: int = Field(8, ge=1)
     calibration_bias: bool = True  # the shipped calibration also fits per-position offsets (false: the paper's STS)

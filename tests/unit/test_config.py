@@ -26,6 +26,7 @@ def test_yaml_then_overrides(tmp_path):
         ("train.gamma=0", "train.gamma:"),
         ("cache.codec=fp4", "cache.codec:"),
         ("train.lr.x=1", "train.lr"),
+        ("eval.calibration_prompts_per_domain=1", "eval.calibration_prompts_per_domain:"),  # halves: >= 2
     ],
 )
 def test_bad_keys_and_values_name_the_key(override, named):
