@@ -110,7 +110,7 @@ class DraftLayer(nn.Module):
         if block:
             a = block_attention(q, prefix, mask, k, v, block)
         else:
-            k_all, v_all = (torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2)) if prefix else (k, v)
+            k_all, v_all = (k, v) if prefix is None else (torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2))
             a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)  # (B, H, Q, hd)
         x = x + self.o_proj(a.transpose(1, 2).reshape(B, Q, -1))
         h = self.post_norm(x)
