@@ -92,10 +92,12 @@ def test_runner_matches_hf_forward_with_rollback(tgt, prompt):
 
 
 def _drafter(tgt, kind, gamma=5, markov="vanilla"):
-    return untrained_drafter(tgt, kind, gamma, markov=markov)
+    """kind: dspark, dflash, eagle3, or dflash-fill-in (the fill-in block, train.sample_from_anchor=false)."""
+    base = kind.removesuffix("-fill-in")
+    return untrained_drafter(tgt, base, gamma, markov=markov, sample_from_anchor=base == kind)
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3", "dflash-fill-in"])
 def test_greedy_speculative_equals_greedy_target(tgt, prompt, kind):
     prompts = [prompt, prompt[:6], prompt[3:]]
     plain = SpeculativeDecoder(tgt.model, None).run([Request(p, SamplingParams(0.0), 40) for p in prompts])
@@ -472,7 +474,7 @@ def test_requests_at_the_context_limit_never_fail_their_batch(tgt, prompt):
     assert len(dec.runner.free_slots) == 2
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3", "dflash-fill-in"])
 def test_a_drafter_that_skipped_rounds_catches_up_to_the_same_state(tgt, prompt, kind):
     """Rounds that skip drafting hand their committed positions to the drafter just before it next
     drafts, several rounds in one call: its cache then equals one built from the whole sequence at once."""
