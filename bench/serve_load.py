@@ -145,6 +145,8 @@ def print_costs(path: Path) -> None:
         print(f"  verify B={b:3d} tokens: {1000 / s:7.1f} ms")
     for r, t in zip(table.draft_batch, table.draft_s):
         print(f"  drafting round R={r:3d}: {1000 * t:7.1f} ms")
+    if table.extend_s:
+        print(f"  drafter catch-up: {1000 * table.extend_s:7.3f} ms per context position")
 
 
 def start_vllm(cfg, venv: Path, max_batch: int, log_path: Path) -> tuple[subprocess.Popen, str]:
@@ -238,7 +240,8 @@ def main(argv=None):
             f"serve.max_batch={max_batch}",
             f"serve.max_queue={2 * max(conc)}",
             "serve.calibration=false",
-            f"ray.num_cpus={len(modes)}",  # logical: one per engine replica; they serve one at a time
+            # logical: serve.num_cpus per engine replica; they serve one at a time
+            f"ray.num_cpus={len(modes) * cfg.serve.num_cpus}",
             *([f"serve.sps_table={table.resolve()}"] if args.sps_table or urls else []),
             *modes[mode],
         ]

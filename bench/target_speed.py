@@ -10,6 +10,7 @@ k tokens cost about one, speculation pays). Prints what it measured (medians), n
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import tempfile
 import threading
@@ -19,7 +20,7 @@ import torch
 
 from dspark import evaluation
 from dspark import target as targets
-from dspark.config import add_config_args, config_from_args, run_main
+from dspark.config import Config, add_config_args, config_from_args, run_main
 from dspark.corpus.conversations import load_jsonl, spread
 from dspark.corpus.sources import Corpus
 from dspark.corpus.tokenizer import chat_ids
@@ -70,22 +71,35 @@ def decode_tps(model, prompts: list[list[int]], batch: int, max_new: int, eos) -
     return sum(len(r.out) for r in reqs) / dt
 
 
-def thread_tps(model, prompt: list[int], threads: int, background: bool, max_new: int) -> float:
-    """decode_tps at batch 1 with `threads` torch threads, on this (main) thread or on a new one, as the
-    serving engine decodes (serve.num_cpus sets its threads)."""
-    before, out = torch.get_num_threads(), []
+THREAD_CASES = {  # where a fresh process decodes at batch 1 (the engine replica's situation is "engine")
+    "main": "on the main thread",
+    "engine": "on a second thread; the main thread ran no parallel torch op (the engine replica)",
+    "shared": "on a second thread after the main thread decoded with the same threads (the replica before)",
+}
+
+
+def thread_tps(cfg_json: str, threads: int, case: str, max_new: int) -> float:
+    """decode_tps at batch 1 with `threads` torch threads in this (fresh) process, in one of THREAD_CASES.
+    Torch's OpenMP pool belongs to the thread that runs a parallel op and lives as long as it: a pool
+    left on the main thread slows a second thread's decoding, hence one process per measurement."""
+    cfg = Config.model_validate_json(cfg_json)
+    torch.set_num_threads(threads)
+    tgt = targets.load_from_config(cfg.target.model_copy(update={"threads": threads}))
+    prompt, out = first_turns(cfg, tgt, 1)[0], []
+    if case == "main":
+        decode_tps(tgt.model, [prompt], 1, 4, ())  # warm-up
+        return decode_tps(tgt.model, [prompt], 1, max_new, ())
+    if case == "shared":
+        decode_tps(tgt.model, [prompt], 1, 4, ())
 
     def run():
         torch.set_num_threads(threads)
-        out.append(decode_tps(model, [prompt], 1, max_new, ()))
+        decode_tps(tgt.model, [prompt], 1, 4, ())
+        out.append(decode_tps(tgt.model, [prompt], 1, max_new, ()))
 
-    if background:
-        worker = threading.Thread(target=run)
-        worker.start()
-        worker.join()
-    else:
-        run()
-    torch.set_num_threads(before)
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
     return out[0]
 
 
@@ -100,8 +114,9 @@ def main(argv=None):
     p.add_argument(
         "--threads",
         default="",
-        help="also decode at batch 1 with these torch thread counts "
-        "(e.g. 1,2), on the main thread and on a background thread like the serving engine",
+        help="also decode at batch 1 with these torch thread counts (e.g. 1,2), each in a fresh process: "
+        "on the main thread, on a second thread as the serving engine does, and on a second thread beside "
+        "a main-thread OpenMP pool",
     )
     args = p.parse_args(argv)
     cfg = config_from_args(args)
@@ -138,17 +153,19 @@ def main(argv=None):
             + f" | {1000 * cost[1]:.1f} |",
             flush=True,
         )
+        spawn = multiprocessing.get_context("spawn")
         for n in [int(x) for x in args.threads.split(",") if x]:
-            runs: dict = {False: [], True: []}
-            for _ in range(3):  # interleaved: a slow spell of the machine falls on both
-                for bg in runs:
-                    runs[bg].append(thread_tps(tgt.model, prompts[0], n, bg, args.max_new))
-            print(
-                f"  {dtype}, {n} torch threads, batch 1 (median of 3): main thread "
-                f"{statistics.median(runs[False]):.1f} tok/s, "
-                f"background thread {statistics.median(runs[True]):.1f} tok/s",
-                flush=True,
-            )
+            runs: dict = {case: [] for case in THREAD_CASES}
+            for _ in range(3):  # interleaved: a slow spell of the machine falls on every case
+                for case in runs:
+                    with spawn.Pool(1) as pool:
+                        runs[case].append(pool.apply(thread_tps, (cfg.model_dump_json(), n, case, args.max_new)))
+            for case, what in THREAD_CASES.items():
+                print(
+                    f"  {dtype}, {n} torch threads, batch 1, {what}: "
+                    f"{statistics.median(runs[case]):.1f} tok/s (median of 3)",
+                    flush=True,
+                )
         del tgt
 
 

@@ -13,6 +13,8 @@ GET /v1/engine (engine replica state). With serve.api_key set, every route but /
 # The deployments import torch and the decoding engine inside their constructors: the ingress replica
 # (and `serve run`'s import of this module) never loads them.
 import asyncio
+import concurrent.futures
+import dataclasses
 import hmac
 import json
 import logging
@@ -160,6 +162,17 @@ class EngineMetrics:
             self.itl.observe(itl_s)
 
 
+def on_own_thread(fn):
+    """fn() on a thread of its own, which then exits; its result, or its error raised here.
+
+    Torch's OpenMP pool belongs to the thread that runs a parallel op, and lives as long as that thread:
+    with a pool left on the replica's main thread, the engine thread decoded SmolLM2 with 2 torch threads
+    at 12-13 tok/s against 24-30 without one (bench/target_speed.py --threads). So the replica runs
+    its torch work (loading, profiling) on a thread that goes away before the engine thread starts."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspark-setup") as pool:
+        return pool.submit(fn).result()
+
+
 @serve.deployment(**ONE_REPLICA, ray_actor_options={"num_cpus": 1})
 class SpeculativeEngine:
     def __init__(self, cfg_json: str, calibration=None):
@@ -175,26 +188,32 @@ class SpeculativeEngine:
 
         cfg = _cfg(cfg_json)
         sc = cfg.serve
-        tgt = targets.load_from_config(cfg.target)
-        torch.set_num_threads(sc.num_cpus)  # the replica's CPUs (serve.num_cpus), not the jobs' target.threads
-        drafter, start = None, None
-        if sc.drafter_uri:
-            import tempfile
 
-            with tempfile.TemporaryDirectory(prefix="drafter-") as d:  # weights are in memory once loaded
-                local = download_drafter(cfg, sc.drafter_uri, d)
-                drafter = load_drafter(local, tgt.model, tgt.weights_sha256)
-                start = sts.load(local)
-        self.gamma = sc.gamma or (drafter.c.gamma if drafter is not None else 1)
-        t0 = time.perf_counter()
-        if sc.sps_table:
-            sps = SPSTable.load(sc.sps_table)
-        else:
-            sps = profile(tgt.model, sc.sps_batches, repeats=3, max_requests=sc.max_batch)
-        if drafter is not None and sc.policy != "none" and not sps.draft_batch:  # t_d(R) on this device
-            requests = sorted({R for R in sc.sps_batches if R < sc.max_batch} | {sc.max_batch})
-            add_draft_times(sps, tgt.model, drafter, requests, self.gamma, repeats=3)
-        log.info("cost tables ready in %.1fs: SPS(B) %s, t_d(R) %s", time.perf_counter() - t0, sps.sps, sps.draft_s)
+        def setup():
+            # the replica's CPUs (serve.num_cpus), not the jobs' target.threads
+            torch.set_num_threads(sc.num_cpus)
+            tgt = targets.load_from_config(cfg.target.model_copy(update={"threads": sc.num_cpus}))
+            drafter, start = None, None
+            if sc.drafter_uri:
+                import tempfile
+
+                with tempfile.TemporaryDirectory(prefix="drafter-") as d:  # weights are in memory once loaded
+                    local = download_drafter(cfg, sc.drafter_uri, d)
+                    drafter = load_drafter(local, tgt.model, tgt.weights_sha256)
+                    start = sts.load(local)
+            gamma = sc.gamma or (drafter.c.gamma if drafter is not None else 1)
+            t0 = time.perf_counter()
+            if sc.sps_table:
+                sps = SPSTable.load(sc.sps_table)
+            else:
+                sps = profile(tgt.model, sc.sps_batches, repeats=3, max_requests=sc.max_batch)
+            if drafter is not None and sc.policy != "none" and not sps.draft_batch:  # t_d(R) on this device
+                requests = sorted({R for R in sc.sps_batches if R < sc.max_batch} | {sc.max_batch})
+                add_draft_times(sps, tgt.model, drafter, requests, gamma, repeats=3)
+            log.info("cost tables ready in %.1fs: SPS(B) %s, t_d(R) %s", time.perf_counter() - t0, sps.sps, sps.draft_s)
+            return tgt, drafter, start, gamma, sps
+
+        tgt, drafter, start, self.gamma, sps = on_own_thread(setup)
         self.calibration = calibration if (sc.calibration and drafter is not None and drafter.has_confidence) else None
         self.metrics = EngineMetrics(self.gamma)
         self.pending: list = []
@@ -216,6 +235,7 @@ class SpeculativeEngine:
             probe_rounds=sc.draft_probe_rounds,
             max_len=sc.max_len,
             stop_ids=tgt.eos_token_ids,
+            threads=sc.num_cpus,
         )
         self.chat_template_kwargs = cfg.target.chat_template_kwargs
         self.sps, self.tokenizer, self.model_name = sps, tgt.tokenizer, sc.model_name
@@ -295,18 +315,9 @@ class SpeculativeEngine:
                 self.engine.cancel(stream)
 
     def state(self) -> dict:
-        import torch
-
         return {
             **self.engine.state(),
-            "torch_threads": torch.get_num_threads(),
-            "sps": {
-                "batch": self.sps.batch,
-                "sps": self.sps.sps,
-                "draft_batch": self.sps.draft_batch,
-                "draft_s": self.sps.draft_s,
-                "hardware": self.sps.hardware,
-            },
+            "sps": dataclasses.asdict(self.sps),
         }
 
 

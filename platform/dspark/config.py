@@ -239,9 +239,10 @@ class ServeConfig(Section):
     max_queue: int = Field(32, ge=0)  # waiting requests per replica before 429
     max_tokens_default: int = Field(128, ge=1)
     num_replicas: int = Field(1, ge=1)
-    # CPUs Ray reserves for each engine replica, and its torch threads on CPU (target.threads is for the
-    # jobs). The engine runs in a background thread of the replica: on this 2-core machine 2 torch threads
-    # there decoded SmolLM2 at 13-16 tok/s over HTTP against 18-25 with 1 (2 threads pay only on the main thread)
+    # CPUs Ray reserves for each engine replica, and the torch threads of its engine thread on CPU
+    # (target.threads is for the jobs). On a 2-core machine 1 leaves a core to Ray's proxy and the ingress,
+    # which handle every streamed token: SmolLM2 over HTTP at C = 1 / 4, 16.8 / 33.2 tok/s with 1 against
+    # 14.2 / 29.5 with 2 (bench/serve_load.py, target-only); offline, 2 threads decode 31 tok/s against 28
     num_cpus: int = Field(1, ge=1)
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     sps_table: str = ""  # "" = profile SPS(B) at engine start; else a JSON table measured elsewhere

@@ -2,6 +2,7 @@
 each still gets exactly the target's greedy output; bounded queue; cancellation; stop strings."""
 
 import pytest
+import torch
 from tiny_models import untrained_drafter
 
 from dspark import target as targets
@@ -224,3 +225,17 @@ def test_logprobs_go_out_with_the_text_one_entry_per_output_token(tgt, drafter):
     assert "".join(e["token"] for e in entries).startswith(text_of(with_lp))  # the tokens spell the text
     assert text_of(without) == text_of(with_lp)  # same seed, same output: logprobs change nothing
     assert all(ev.logprobs is None for ev in without[:-1]) and without[-1].info["logprobs"] is None
+
+
+def test_the_engine_thread_runs_with_its_own_torch_threads(tgt, drafter):
+    """serve.num_cpus reaches the thread that decodes (torch's thread count is per thread under OpenMP);
+    the caller's setting is left as it was."""
+    before = torch.get_num_threads()
+    wanted = 1 if before > 1 else 2
+    eng = engine(tgt, drafter, threads=wanted)
+    try:
+        text, ev = collect(eng.submit(ids_of(tgt, "def f(x):\n"), SamplingParams(0.0), 4, 0))
+        assert isinstance(ev, Done) and eng.state()["torch_threads"] == wanted
+        assert torch.get_num_threads() == before
+    finally:
+        eng.close()

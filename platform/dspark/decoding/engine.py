@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
+import torch
 
 from dspark.calibration.sts import Calibration
 from dspark.decoding.detok import Detokenizer
@@ -108,6 +109,7 @@ class Engine:
         probe_rounds: int = 0,
         max_len: int = 0,
         stop_ids: tuple[int, ...] = (),
+        threads: int = 0,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy: {policy!r} not in {POLICIES}")
@@ -138,6 +140,8 @@ class Engine:
         self.wake = threading.Event()
         self.ids = itertools.count()
         self.running = True
+        self.threads = threads  # torch intra-op threads of the engine thread (0 = torch's setting)
+        self.torch_threads = 0  # what the engine thread runs with, once started
         self.thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
         self.thread.start()
 
@@ -213,6 +217,7 @@ class Engine:
             "kv_capacity": runner.k[0].shape[2] if runner.k else 0,
             "drafter": self.decoder.drafter is not None,
             "drafter_error": self.decoder.drafter_error,
+            "torch_threads": self.torch_threads,
             "calibration": self.decoder.calibration.to_dict() if self.decoder.calibration else None,
         }
 
@@ -223,6 +228,9 @@ class Engine:
 
     # -- engine thread
     def _loop(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        self.torch_threads = torch.get_num_threads()
         while self.running:
             self._admit()
             dec = self.decoder
