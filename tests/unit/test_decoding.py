@@ -219,6 +219,7 @@ def _sample(model, prompt, drafter, policy, n, gamma=4):
 # knee near this test's batch (256 requests x up to 5 tokens): the schedulers keep some drafts and drop others
 B = np.arange(1, 4097)
 KNEE = SPSTable(B.tolist(), (100.0 / (1 + (B / 600.0) ** 1.5) ** (2 / 3)).tolist())
+CATCH_UP_S = 2e-4  # t_e of the catch-up case below
 
 
 def _greedy_policy(s, R, g):
@@ -261,18 +262,22 @@ def test_sampling_matches_target_distribution(request, target, name, policy):
     assert p_value > 1e-3, (name, p_value, n)
 
 
-@pytest.mark.parametrize("kind", ["cost", "idle", "gap"])
+@pytest.mark.parametrize("kind", ["cost", "idle", "gap", "catch-up"])
 def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     """The engine's adaptive path: a DraftGate decides before each round whether to draft at all, and a
     drafted round prices its lengths with the drafting time as paid. cost: drafting costs 20 target
     steps, so the gate skips whenever it has measured acceptance, probing every other round; inside a
     drafted round the sunk cost makes Algorithm 1 verify more. idle: every other drafted round verifies
     nothing, which stops drafting until the next probe. gap: as cost, but a probe also waits until its
-    drafting round costs at most `overhead` of the plain rounds before it (3-4 rounds here, from R)."""
+    drafting round costs at most `overhead` of the plain rounds before it (3-4 rounds here, from R).
+    catch-up: as gap, but the probe's price is mostly the drafter's catch-up over the positions it has
+    not read (new requests' prompts, skipped rounds): the wait varies with the batch's history."""
     model, prompt = tiny
     law = _exact_law(model, prompt)
-    if kind in ("cost", "gap"):
+    if kind in ("cost", "gap", "catch-up"):
         cost = SPSTable(KNEE.batch, KNEE.sps, draft_batch=[1, 256], draft_s=[0.2, 0.2])
+        if kind == "catch-up":
+            cost = SPSTable(KNEE.batch, KNEE.sps, draft_batch=[1, 256], draft_s=[0.02, 0.02], extend_s=CATCH_UP_S)
         policy = policies.make_policy("greedy", cost)
     else:
         cost, calls = KNEE, itertools.count()
@@ -280,25 +285,31 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         def policy(s, R, g):
             return [0] * R if next(calls) % 2 == 0 else [g] * R
 
-    if kind == "gap":  # probe_gap(R) = ceil(0.2 s x SPS(R) / 6.0): 3 or 4 plain rounds, whatever the ramp says
-        gate = policies.DraftGate(cost, 4, max_interval=4, overhead=6.0)
+    if kind in ("gap", "catch-up"):  # gap: probe_gap(R) = ceil(0.2 s x SPS(R) / 6.0): 3-4 plain rounds
+        gate = policies.DraftGate(cost, 4, max_interval=4 if kind == "gap" else 8, overhead=6.0)
     else:
         gate = policies.DraftGate(cost, 4, max_interval=1)
     dec = SpeculativeDecoder(model, PerturbedTarget(model, 4), gamma=4, policy=policy, max_slots=256, gate=gate)
+    behind = []  # what the gate was told before each round: positions the drafter had not read
+    dec._behind = lambda reqs: behind.append(SpeculativeDecoder._behind(reqs)) or behind[-1]
     reqs = dec.run([Request(prompt, SP, 3, seed) for seed in range(10_000)])
     p_value, power = _chi2(law, [tuple(r.out[:3]) for r in reqs])
     rounds = [r for q in reqs for r in q.rounds]
     skipped = sum(not r.drafted for r in rounds) / len(rounds)
     verified = sum(r.verified for r in rounds if r.drafted) / sum(r.drafted for r in rounds)
+    gaps = sorted({gate.probe_gap(256, b) for b in behind})
     print(
         f"[exactness] draft gate ({kind}): chi-square p={p_value:.3f}, power {power:.3f}, skipped rounds "
-        f"{skipped:.2f}, mean verified in drafted rounds {verified:.2f} of 4"
+        f"{skipped:.2f}, mean verified in drafted rounds {verified:.2f} of 4, probe gaps at R=256 {gaps}, "
+        f"positions behind {min(behind)}..{max(behind)}"
     )
-    low, high = (0.6, 0.9) if kind == "gap" else (0.2, 0.6)
+    low, high = (0.6, 0.9) if kind in ("gap", "catch-up") else (0.2, 0.6)
     assert low < skipped < high and any(r.verified == 4 for r in rounds)  # both kinds of round happened
     assert all(r.verified == 0 and r.conf_logit is None for r in rounds if not r.drafted)
-    if kind != "idle":  # the sunk drafting cost: Algorithm 1 verifies more than on the SPS curve alone
+    if kind in ("cost", "gap"):  # the sunk drafting cost: Algorithm 1 verifies more than on the SPS curve alone
         assert verified > 3
+    if kind == "catch-up":  # the wait followed what the drafter had not read
+        assert len(gaps) >= 3
     assert power >= 0.9 and p_value > 1e-3, p_value
 
 

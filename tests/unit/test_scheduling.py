@@ -198,7 +198,7 @@ def test_draft_gate_skips_probes_and_resumes():
     decisions = [gate(1) for _ in range(16)]
     # probes after 1, 2, 4, 4, .. skipped rounds
     assert decisions[:13] == [False, True, False, False, True] + [False] * 4 + [True] + [False] * 3
-    assert gate.alpha[0] == 1.0 and gate.alpha[1] == 0.0 and not gate.known[2]
+    assert gate.alpha[0] == 1.0 and gate.alpha[1] == 0.0 and gate.rounds.tolist() == [1, 1, 0, 0]
     for _ in range(100):  # a better drafter: every probe sees all drafts accepted; alpha climbs
         if gate(1):
             gate.observe([4], [4])
@@ -213,6 +213,19 @@ def test_draft_gate_skips_probes_and_resumes():
     cheap = DraftGate(SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.0001]), 4, 1000)
     cheap.observe([4], [0])
     assert [cheap(1) for _ in range(5)] == [False, True, False, False, True]  # a cheap probe: 1, 2, 4, ..
+    # a lucky first round counts as one of two, not as the truth: the mean until 1 / weight rounds, then EMA
+    lucky = DraftGate(sps, 4, 1000)
+    lucky.observe([4], [4])
+    lucky.observe([4], [0])
+    assert lucky.alpha[0] == 0.5 and lucky.alpha[1] == 1.0  # position 2 was reached once
+    for _ in range(18):
+        lucky.observe([4], [0])
+    assert lucky.alpha[0] == pytest.approx(0.1 * 0.9**10)  # mean 1/10 after 10 rounds, then 10 EMA steps to 0
+    # the catch-up is part of a probe's price: 200 positions behind at t_e = 0.1 ms add 2 steps (100 rounds)
+    behind = DraftGate(SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.03], extend_s=1e-4), 4, 1000)
+    assert behind.probe_gap(1, 0) == 150 and behind.probe_gap(1, 200) == 250
+    behind.observe([4], [1])
+    assert [behind(1, 200) for _ in range(251)] == [False] * 250 + [True]
     always = DraftGate(sps, gamma=4, max_interval=0)
     always.observe([0], [0])
     assert all(always(1) for _ in range(4))  # max_interval 0: draft every round

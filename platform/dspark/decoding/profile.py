@@ -14,6 +14,7 @@ import torch
 from dspark.decoding.runner import TargetRunner
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder
+from dspark.models.drafter import DraftState
 from dspark.scheduling.sps import SPSTable
 
 
@@ -84,11 +85,12 @@ def add_draft_times(
     repeats: int = 5,
     warmup: int = 2,
 ) -> None:
-    """Fill the table's t_d(R) at each R of `requests` (increasing)."""
+    """Fill the table's t_d(R) at each R of `requests` (increasing) and its catch-up cost t_e."""
     table.draft_batch = list(requests)
     table.draft_s = envelope(
         [draft_time(target_model, drafter, R, gamma, context, repeats, warmup) for R in requests]
     ).tolist()
+    table.extend_s = extend_time(target_model, drafter, context, repeats, warmup)
 
 
 def envelope(seconds: list[float]) -> np.ndarray:
@@ -96,6 +98,26 @@ def envelope(seconds: list[float]) -> np.ndarray:
     step over fewer tokens (requests) never costs more than over more, it could be padded to them; a
     spell of noise at one size (another process on the cores) must not make verifying more look free."""
     return np.minimum.accumulate(np.asarray(seconds, dtype=np.float64)[::-1])[::-1]
+
+
+def extend_time(target_model, drafter, context: int = 256, repeats: int = 5, warmup: int = 2) -> float:
+    """t_e: seconds per position of the drafter reading `context` positions of one request's context at
+    once (what it does before drafting for a new request, or after rounds it skipped); the median of
+    `repeats` reads into fresh caches."""
+    dec = SpeculativeDecoder(target_model, drafter, 1, max_slots=1, capacity=context + 2)
+    req = Request(torch.randint(0, target_model.config.vocab_size, (context,)).tolist(), SamplingParams(1.0), 2)
+    dec.add_many([req])  # the target's features of the prompt, as the drafter would read them
+    features, tokens = req.pending[0]
+    times = []
+    for i in range(warmup + repeats):
+        state = DraftState()
+        t0 = time.perf_counter()
+        drafter.extend([state], [features], [tokens])
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        drafter.release(state)
+    dec.cancel(req)
+    return float(np.median(times)) / context
 
 
 def draft_time(

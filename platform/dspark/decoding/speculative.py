@@ -194,6 +194,11 @@ class SpeculativeDecoder:
         its room in the context (the anchor and l drafts are appended to its KV slot)."""
         return [max(0, min(self.gamma, self.max_len - self.runner.lengths[r.slot] - 1)) for r in reqs]
 
+    @staticmethod
+    def _behind(reqs: list[Request]) -> int:
+        """Context positions the drafter has not read yet, over all requests (fixed before drafting)."""
+        return sum(len(t) for r in reqs for _, t in r.pending)
+
     def _catch_up(self, reqs: list[Request]) -> bool:
         """Hand the drafter every position committed since it last saw each request, in one call (its
         prompt, or several skipped rounds). False: the drafter failed and is dropped."""
@@ -239,7 +244,7 @@ class SpeculativeDecoder:
         anchors = torch.tensor([r.out[-1] for r in reqs])
         drafts = probs_q = survival = conf_logits = prop = None
         lengths = [0] * len(reqs)
-        if self.gamma and (self.gate is None or self.gate(len(reqs))):
+        if self.gamma and (self.gate is None or self.gate(len(reqs), self._behind(reqs))):
             t0 = time.perf_counter()
             if self._catch_up(reqs):
                 prop = self._propose(reqs, anchors)

@@ -135,35 +135,41 @@ def draft_pays(alpha: np.ndarray, R: int, sps: SPSTable) -> bool:
 class DraftGate:
     """Whether a round drafts, decided before drafting from past drafted rounds only.
 
-    alpha_j, the conditional acceptance at draft position j, is an exponential average over the drafted
-    rounds that verified position j (a position never verified counts as 0). A round drafts while
+    alpha_j, the conditional acceptance at draft position j, is the mean over the drafted rounds that
+    verified position j, exponential (`weight`) once there are more than 1 / weight of them (a position
+    never verified counts as 0): one lucky first probe moves it no more than its share. A round drafts while
     `draft_pays`; otherwise it does not, except for probes that re-measure alpha after 1, 2, 4, ..
-    `max_interval` skipped rounds, and never sooner than `probe_gap`: a probe's drafting round costs at
-    most `overhead` of the plain rounds before it. A drafted round that verified nothing (the policy
-    found no draft worth its verification) also stops drafting until the next probe. Before any drafted
+    `max_interval` skipped rounds, and never sooner than `probe_gap`: a probe (the drafter's catch-up over
+    the positions it has not read, and its drafting round) costs at most `overhead` of the plain rounds
+    before it. A drafted round that verified nothing (the policy found no draft worth its verification)
+    also stops drafting until the next probe. Before any drafted
     round there is nothing to predict from: draft. max_interval = 0: draft every round."""
 
     def __init__(self, sps: SPSTable, gamma: int, max_interval: int, weight: float = 0.1, overhead: float = 0.02):
         self.sps, self.max_interval, self.weight, self.overhead = sps, max_interval, weight, overhead
         self.alpha = np.zeros(gamma)
-        self.known = np.zeros(gamma, dtype=bool)  # alpha_j has been measured
+        self.rounds = np.zeros(gamma)  # drafted rounds that measured alpha_j
         self.seen = False  # a drafted round has been observed
         self.idle = False  # the latest drafted round verified nothing
         self.interval, self.skipped = 1, 0
 
-    def __call__(self, R: int) -> bool:
+    def __call__(self, R: int, behind: int = 0) -> bool:
+        """Draft this round for R requests? `behind`: context positions the drafter has not read yet (it
+        reads them first, t_e each)."""
         if self.max_interval == 0 or not self.seen or (not self.idle and draft_pays(self.alpha, R, self.sps)):
             self.interval, self.skipped = 1, 0
             return True
-        if self.skipped >= min(self.max_interval, max(self.interval, self.probe_gap(R))):  # a probe
+        if self.skipped >= min(self.max_interval, max(self.interval, self.probe_gap(R, behind))):  # a probe
             self.interval, self.skipped = min(2 * self.interval, self.max_interval), 0
             return True
         self.skipped += 1
         return False
 
-    def probe_gap(self, R: int) -> int:
-        """Plain rounds a probe waits at least: t_d(R) <= overhead * gap / SPS(R)."""
-        return math.ceil(self.sps.draft_time(R) * self.sps(R) / self.overhead)
+    def probe_gap(self, R: int, behind: int = 0) -> int:
+        """Plain rounds a probe waits at least: its catch-up and drafting round cost at most `overhead` of
+        them, t_e * behind + t_d(R) <= overhead * gap / SPS(R)."""
+        probe_s = self.sps.catch_up_time(behind) + self.sps.draft_time(R)
+        return math.ceil(probe_s * self.sps(R) / self.overhead)
 
     def observe(self, verified: list[int], accepted: list[int]) -> None:
         """A drafted round: request r verified verified[r] drafts and accepted accepted[r] of them."""
@@ -173,9 +179,8 @@ class DraftGate:
             reached = (l > j) & (n >= j)  # position j was verified and every draft before it accepted
             if reached.any():
                 measured = float((n[reached] > j).mean())
-                w = self.weight if self.known[j] else 1.0
-                self.alpha[j] += w * (measured - self.alpha[j])
-                self.known[j] = True
+                self.rounds[j] += 1
+                self.alpha[j] += max(self.weight, 1 / self.rounds[j]) * (measured - self.alpha[j])
 
 
 POLICIES = ("none", "static", "threshold", "greedy", "async")

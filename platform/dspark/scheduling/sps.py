@@ -2,9 +2,11 @@
 lengths) and kept as a table; a table measured elsewhere (production hardware) can be loaded from JSON:
 
 - SPS(B): target verification steps per second at a total verification batch of B tokens;
-- t_d(R): seconds of one drafting round (gamma drafts) for R requests; absent = drafting is free.
+- t_d(R): seconds of one drafting round (gamma drafts) for R requests; absent = drafting is free;
+- t_e: seconds per context position the drafter reads when it catches up (a new request's prompt,
+  the positions committed in rounds that did not draft).
 
-A round that drafts takes t_d(R) + 1/SPS(B); one that does not takes 1/SPS(R)."""
+A round that drafts takes t_e * (positions behind) + t_d(R) + 1/SPS(B); one that does not takes 1/SPS(R)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class SPSTable:
     hardware: dict = field(default_factory=dict)
     draft_batch: list[int] = field(default_factory=list)  # measured R values (requests), increasing
     draft_s: list[float] = field(default_factory=list)  # seconds per drafting round at each R
+    extend_s: float = 0.0  # t_e: seconds per context position of a catch-up (0 = not measured)
 
     def __post_init__(self):
         if not self.batch or len(self.batch) != len(self.sps) or any(np.diff(self.batch) <= 0):
@@ -50,6 +53,10 @@ class SPSTable:
         if R >= r[-1]:
             return float(t[-1] * R / r[-1])
         return float(np.interp(R, r, t))
+
+    def catch_up_time(self, positions: int) -> float:
+        """Seconds for the drafter to read `positions` context positions it has not seen yet."""
+        return self.extend_s * positions
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
