@@ -493,7 +493,7 @@ def test_a_drafter_that_skipped_rounds_catches_up_to_the_same_state(tgt, prompt,
     calls = itertools.count()
 
     class EveryThird:  # a gate: draft in rounds 0, 3, 6, ..
-        def __call__(self, R):
+        def __call__(self, R, behind):
             return next(calls) % 3 == 0
 
         def observe(self, verified, accepted):
@@ -506,7 +506,8 @@ def test_a_drafter_that_skipped_rounds_catches_up_to_the_same_state(tgt, prompt,
         dec.step()
     assert [r.drafted for r in req.rounds] == [True, False, False] * 2 + [True, False]
     assert len(req.pending) == 2  # rounds 6 and 7 are not handed over yet
-    assert dec._catch_up([req]) and not req.pending
+    assert req.behind == sum(len(t) for _, t in req.pending) >= 2  # what the gate is told
+    assert dec._catch_up([req]) and not req.pending and req.behind == 0
     seq = req.prompt + req.out  # the state holds every position but the last (the anchor), with its next token
     runner = TargetRunner(tgt.model, drafter.c.tap_layers, max_slots=1)
     out = runner.forward([runner.alloc()], [torch.tensor(seq[:-1])])

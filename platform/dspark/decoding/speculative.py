@@ -89,7 +89,17 @@ class Request:
     slot: int = -1
     state: Optional[DraftState] = None
     pending: list = field(default_factory=list)  # (target features, next tokens) the drafter has not seen yet
+    behind: int = 0  # positions in `pending`
     gen: Optional[torch.Generator] = None
+
+    def defer(self, feats: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Committed positions (features (n, m, d), next tokens (n,)) for the drafter to read when it next drafts."""
+        self.pending.append((feats, tokens))
+        self.behind += len(tokens)
+
+    def clear_pending(self) -> None:
+        self.pending.clear()
+        self.behind = 0
 
     @property
     def tau(self) -> float:
@@ -148,7 +158,7 @@ class SpeculativeDecoder:
             if self.drafter is not None:
                 for req, f, t in zip(reqs, firsts, out.taps):
                     req.state = DraftState()
-                    req.pending = [(t, torch.tensor(req.prompt[1:] + [f], device=t.device))]
+                    req.defer(t, torch.tensor(req.prompt[1:] + [f], device=t.device))
         except BaseException:
             for req in reqs:
                 self._release(req)
@@ -187,7 +197,7 @@ class SpeculativeDecoder:
         if self.drafter is not None and req.state is not None:
             self.drafter.release(req.state)
             req.state = None
-        req.pending.clear()
+        req.clear_pending()
 
     def _caps(self, reqs: list[Request]) -> list[int]:
         """The most drafts each request can verify this round, from a quantity fixed before drafting:
@@ -197,7 +207,7 @@ class SpeculativeDecoder:
     @staticmethod
     def _behind(reqs: list[Request]) -> int:
         """Context positions the drafter has not read yet, over all requests (fixed before drafting)."""
-        return sum(len(t) for r in reqs for _, t in r.pending)
+        return sum(r.behind for r in reqs)
 
     def _catch_up(self, reqs: list[Request]) -> bool:
         """Hand the drafter every position committed since it last saw each request, in one call (its
@@ -216,7 +226,7 @@ class SpeculativeDecoder:
             self.drafter, self.gamma = None, 0
             return False
         for r in behind:
-            r.pending.clear()
+            r.clear_pending()
         return True
 
     def _propose(self, reqs: list[Request], anchors: torch.Tensor):
@@ -290,7 +300,7 @@ class SpeculativeDecoder:
             committed.append((r, out.taps[i][: 1 + n], new, lp))
         if self.drafter is not None:  # the drafter's context grows by x_0 and the accepted drafts
             for r, t, new, _ in committed:
-                r.pending.append((t, torch.tensor(new, device=t.device)))
+                r.defer(t, torch.tensor(new, device=t.device))
         for r, _, new, lp in committed:
             self._commit(r, new, lp)
         self.active = [r for r in reqs if not r.done]

@@ -142,8 +142,8 @@ class DraftGate:
     `max_interval` skipped rounds, and never sooner than `probe_gap`: a probe (the drafter's catch-up over
     the positions it has not read, and its drafting round) costs at most `overhead` of the plain rounds
     before it. A drafted round that verified nothing (the policy found no draft worth its verification)
-    also stops drafting until the next probe. Before any drafted
-    round there is nothing to predict from: draft. max_interval = 0: draft every round."""
+    also stops drafting until the next probe. Before any drafted round there is nothing to predict
+    from: draft. max_interval = 0: draft every round."""
 
     def __init__(self, sps: SPSTable, gamma: int, max_interval: int, weight: float = 0.1, overhead: float = 0.02):
         self.sps, self.max_interval, self.weight, self.overhead = sps, max_interval, weight, overhead
@@ -152,11 +152,12 @@ class DraftGate:
         self.seen = False  # a drafted round has been observed
         self.idle = False  # the latest drafted round verified nothing
         self.interval, self.skipped = 1, 0
+        self.pays: dict[int, bool] = {}  # draft_pays(alpha, R) by R, until alpha next changes
 
     def __call__(self, R: int, behind: int = 0) -> bool:
         """Draft this round for R requests? `behind`: context positions the drafter has not read yet (it
         reads them first, t_e each)."""
-        if self.max_interval == 0 or not self.seen or (not self.idle and draft_pays(self.alpha, R, self.sps)):
+        if self.max_interval == 0 or not self.seen or (not self.idle and self._pays(R)):
             self.interval, self.skipped = 1, 0
             return True
         if self.skipped >= min(self.max_interval, max(self.interval, self.probe_gap(R, behind))):  # a probe
@@ -164,6 +165,11 @@ class DraftGate:
             return True
         self.skipped += 1
         return False
+
+    def _pays(self, R: int) -> bool:
+        if R not in self.pays:
+            self.pays[R] = draft_pays(self.alpha, R, self.sps)
+        return self.pays[R]
 
     def probe_gap(self, R: int, behind: int = 0) -> int:
         """Plain rounds a probe waits at least: its catch-up and drafting round cost at most `overhead` of
@@ -175,6 +181,7 @@ class DraftGate:
         """A drafted round: request r verified verified[r] drafts and accepted accepted[r] of them."""
         l, n = np.asarray(verified), np.asarray(accepted)
         self.seen, self.idle = True, not l.any()
+        self.pays.clear()
         for j in range(len(self.alpha)):
             reached = (l > j) & (n >= j)  # position j was verified and every draft before it accepted
             if reached.any():
