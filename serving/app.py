@@ -167,7 +167,7 @@ def on_own_thread(fn):
 
     Torch's OpenMP pool belongs to the thread that runs a parallel op, and lives as long as that thread:
     with a pool left on the replica's main thread, the engine thread decoded SmolLM2 with 2 torch threads
-    at 12-13 tok/s against 24-30 without one (bench/target_speed.py --threads). So the replica runs
+    at 14 tok/s against 31 without one (bench/target_speed.py --threads 1,2). So the replica runs
     its torch work (loading, profiling) on a thread that goes away before the engine thread starts."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspark-setup") as pool:
         return pool.submit(fn).result()
@@ -176,8 +176,6 @@ def on_own_thread(fn):
 @serve.deployment(**ONE_REPLICA, ray_actor_options={"num_cpus": 1})
 class SpeculativeEngine:
     def __init__(self, cfg_json: str, calibration=None):
-        import torch
-
         from dspark import target as targets
         from dspark.artifacts import download_drafter
         from dspark.calibration import sts
@@ -189,9 +187,7 @@ class SpeculativeEngine:
         cfg = _cfg(cfg_json)
         sc = cfg.serve
 
-        def setup():
-            # the replica's CPUs (serve.num_cpus), not the jobs' target.threads
-            torch.set_num_threads(sc.num_cpus)
+        def setup():  # torch threads: the replica's CPUs (serve.num_cpus), not the jobs' target.threads
             tgt = targets.load_from_config(cfg.target.model_copy(update={"threads": sc.num_cpus}))
             drafter, start = None, None
             if sc.drafter_uri:
