@@ -244,6 +244,10 @@ class ServeConfig(Section):
     # which handle every streamed token: SmolLM2 over HTTP at C = 1 / 4, 16.8 / 33.2 tok/s with 1 against
     # 14.2 / 29.5 with 2 (bench/serve_load.py, target-only); offline, 2 threads decode 31 tok/s against 28
     num_cpus: int = Field(1, ge=1)
+    # the engine replica sends each stream's new text at most this often (its first text and its end at
+    # once; 0 = after every round), as Ray Serve LLM batches streamed responses (50 ms there): each message
+    # costs CPU in the replica, the ingress and Ray's proxy, which on a small machine the engine loses
+    stream_interval_s: float = Field(0.05, ge=0)
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     sps_table: str = ""  # "" = profile SPS(B) at engine start; else a JSON table measured elsewhere
     sps_batches: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 12, 16, 24, 32, 48, 64])

@@ -2,7 +2,9 @@
 without a status, or the engine call itself failing) become JSON errors or an SSE error event, seeds
 and OpenAI fields are checked, and the API key guards every route but /health before the body is read."""
 
+import asyncio
 import json
+import queue
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +13,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 
 from dspark.config import load_config
-from dspark.decoding.events import Done, Error, Text
+from dspark.decoding.events import Done, Error, Text, coalesce
 from serving import app as serving
 
 KEY = "k-123"
@@ -28,7 +30,8 @@ DONE = Done(
 
 class Call:
     """What `engine.options(stream=True).generate.remote(body)` returns (like Ray's
-    DeploymentResponseGenerator): an async iterator of events, then `fail` raised if given."""
+    DeploymentResponseGenerator): an async iterator of lists of events (here one each), then `fail`
+    raised if given."""
 
     def __init__(self, events, fail):
         self.events, self.fail, self.cancelled = iter(events), fail, False
@@ -38,7 +41,7 @@ class Call:
 
     async def __anext__(self):
         for ev in self.events:
-            return ev
+            return [ev]
         raise self.fail or StopAsyncIteration
 
     def cancel(self):
@@ -53,7 +56,8 @@ class Engine:
         self.generate = SimpleNamespace(remote=self._generate)
         self.state = SimpleNamespace(remote=self._state)
 
-    def options(self, stream):
+    def options(self, **handle_options):
+        assert handle_options["stream"]
         return self
 
     def _generate(self, body):
@@ -364,3 +368,71 @@ def test_logprobs_reach_the_engine_and_come_back_in_openai_shapes(monkeypatch):
     plain = Engine(Text("a"), Text("b"), DONE)  # not asked for: the engine sends none
     r = client(monkeypatch, plain).post("/v1/chat/completions", json={"messages": msgs})
     assert plain.bodies[-1]["logprobs"] is None and r.json()["choices"][0]["logprobs"] is None
+
+
+def test_coalesce_merges_adjacent_texts_and_their_logprobs_only():
+    merged = coalesce([Text("a", LP[:1]), Text("b", LP[1:]), Text("", [END]), DONE_LP])
+    assert merged == [Text("ab", LP + [END]), DONE_LP]
+    assert coalesce([Text("a"), Text("b")]) == [Text("ab")]  # no logprobs asked for: still None
+    assert coalesce([Error("x")]) == [Error("x")] and coalesce([]) == []
+
+
+class Feed:
+    """A scripted engine under the replica's `generate`: the test puts the stream's events."""
+
+    def __init__(self):
+        self.stream, self.cancelled = None, []
+
+    def submit(self, ids, sp, max_tokens, seed, stop, logprobs):
+        self.stream = SimpleNamespace(events=queue.Queue(), notify=None, finish_reason=None)
+        return self.stream
+
+    def put(self, *events):
+        for ev in events:
+            self.stream.events.put(ev)
+            self.stream.notify()
+
+    def cancel(self, stream):
+        self.cancelled.append(stream)
+
+
+async def started(interval: float):
+    """The engine replica as written, over a Feed, with its first `generate` call running."""
+    replica = serving.SpeculativeEngine.func_or_class.__new__(serving.SpeculativeEngine.func_or_class)
+    replica.engine, replica.stream_interval_s = Feed(), interval
+    replica.tokenizer, replica.chat_template_kwargs = SimpleNamespace(bos_token_id=None, encode=lambda t, **kw: [1]), {}
+    gen = replica.generate({"prompt": "x", "temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 8})
+    first = asyncio.ensure_future(anext(gen))
+    while replica.engine.stream is None or replica.engine.stream.notify is None:
+        await asyncio.sleep(0)
+    return replica.engine, gen, first
+
+
+def test_the_replica_sends_the_first_text_at_once_then_holds_text_for_the_interval_but_not_the_end():
+    async def run():
+        feed, gen, first = await started(interval=3600)
+        feed.put(Text("a", LP[:1]))
+        assert await asyncio.wait_for(first, 30) == [Text("a", LP[:1])]  # the first text: not held
+        nxt = asyncio.ensure_future(anext(gen))
+        feed.put(Text("b", LP[1:]), Text("c", []))
+        await asyncio.sleep(0.05)
+        assert not nxt.done()  # held: the interval has not passed
+        feed.put(DONE_LP)
+        assert await asyncio.wait_for(nxt, 30) == [Text("bc", LP[1:]), DONE_LP]  # the end goes at once, with it
+        assert feed.cancelled == []  # the stream finished: nothing to cancel
+
+    asyncio.run(run())
+
+
+def test_the_replica_sends_every_round_with_no_interval_and_cancels_a_stream_left_early():
+    async def run():
+        feed, gen, first = await started(interval=0)
+        feed.put(Text("a"))
+        assert await asyncio.wait_for(first, 30) == [Text("a")]
+        nxt = asyncio.ensure_future(anext(gen))
+        feed.put(Text("b"))
+        assert await asyncio.wait_for(nxt, 30) == [Text("b")]
+        await gen.aclose()  # the consumer went away before the end: the engine frees the slot
+        assert feed.cancelled == [feed.stream]
+
+    asyncio.run(run())

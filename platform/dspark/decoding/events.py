@@ -30,3 +30,17 @@ class Error:
 
 
 Event = Text | Done | Error
+
+
+def coalesce(events: list[Event]) -> list[Event]:
+    """Adjacent Text events merged into one (deltas and logprobs concatenated, in order): what a consumer
+    that fell behind the engine gets as one message instead of one per round."""
+    out: list[Event] = []
+    for ev in events:
+        prev = out[-1] if out else None
+        if isinstance(ev, Text) and isinstance(prev, Text):
+            lps = None if prev.logprobs is None and ev.logprobs is None else (prev.logprobs or []) + (ev.logprobs or [])
+            out[-1] = Text(prev.delta + ev.delta, lps)
+        else:
+            out.append(ev)
+    return out
