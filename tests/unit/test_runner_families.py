@@ -1,9 +1,9 @@
 """The decoding runner equals each family's own HF forward: prefill, ragged multi-request
-verification (slots of different lengths appending different numbers of tokens in one forward) and
-rollback (truncate, then append other tokens). Tiny random configs of every supported family, with
-the features that make them differ switched on (biases, q/k norms, sliding windows shorter than the
-context, Gemma3's sandwich norms, embedding scale, query scalar, local rotary base and logit
-soft-capping); and the real SmolLM2 weights."""
+verification (slots of different lengths appending different numbers of tokens in one forward, the
+requests in any order) and rollback (truncate, then append other tokens). Tiny random configs of
+every supported family, with the features that make them differ switched on (biases, q/k norms,
+sliding windows shorter than the context, Gemma3's sandwich norms, embedding scale, query scalar,
+local rotary base and logit soft-capping); and the real SmolLM2 weights."""
 
 import pytest
 import torch
@@ -33,8 +33,9 @@ def check_against_hf(model, seqs: list[torch.Tensor], tol: float) -> None:
         same(first.logits[i], logits)
         for m, layer in enumerate([0, 1]):
             same(first.taps[i][:, m], hidden[layer + 1][0])
-    second = r.forward(slots, [s[p:] for s, p in zip(seqs, prefix)])  # (b) verify 3, 1 and 5 tokens at once
-    for i, (s, p) in enumerate(zip(seqs, prefix)):
+    # (b) verify 5, 1 and 3 tokens at once, the requests in another order than their slots
+    second = r.forward(slots[::-1], [s[p:] for s, p in zip(seqs, prefix)][::-1])
+    for i, (s, p) in enumerate(zip(seqs[::-1], prefix[::-1])):
         same(second.logits[i], ref(s)[0][p:])
     g = torch.Generator().manual_seed(1)
     keep = [len(seqs[0]) - 4, len(seqs[2]) - 2]  # (c) roll two slots back and append other tokens

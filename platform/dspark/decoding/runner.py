@@ -157,6 +157,11 @@ class TargetRunner:
     @torch.no_grad()
     def forward(self, slots: list[int], tokens: list[torch.Tensor]) -> StepOutput:
         """Append tokens[r] (n_r,) to slot slots[r]; returns logits and taps for every new token."""
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        if order != list(range(len(slots))):  # by slot: a server whose slots are all busy reads its KV as a view
+            out = self.forward([slots[i] for i in order], [tokens[i] for i in order])
+            back = sorted(range(len(order)), key=order.__getitem__)  # request r's place in the sorted forward
+            return StepOutput([out.logits[k] for k in back], [out.taps[k] for k in back])
         n = [int(t.numel()) for t in tokens]
         nmax = max(n)
         start = [self.lengths[s] for s in slots]
