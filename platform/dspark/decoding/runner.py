@@ -183,7 +183,7 @@ class TargetRunner:
         qpos = torch.tensor(start, device=self.device)[:, None] + torch.arange(nmax, device=self.device)  # (R, nmax)
         # window -> (R, 1, G * nmax, L): row (g, t) is token t's mask, for the G query heads of a KV head
         masks = {w: _mask(j, qpos, w).repeat(1, 1, self.nh // self.kvh, 1) for w in set(self.windows)}
-        span = slice(slots[0], slots[0] + len(slots)) if slots == list(range(slots[0], slots[0] + len(slots))) else None
+        span = slice(slots[0], slots[-1] + 1) if slots[-1] - slots[0] + 1 == len(slots) else None  # sorted, distinct
         where = _Ragged(slot_t, span, row, col, pos, nmax, L)
 
         x = self.base.embed_tokens(ids[None])  # (1, Ttot, d); Gemma3's module scales by sqrt(d)
