@@ -36,7 +36,7 @@ def main(argv=None):
     taps = list(cfg.cache.layers) or default_layers(L, cfg.cache.num_layers)
     t, gamma = cfg.train, cfg.train.gamma
     requests = [int(r) for r in args.requests.split(",")]
-    print(f"target {cfg.target.name_or_path} ({cfg.target.dtype}, {torch.get_num_threads()} threads): {L} layers V={V}")
+    print(f"target {cfg.target.name_or_path} ({tgt.model.dtype}, {torch.get_num_threads()} threads): {L} layers V={V}")
     print(f"drafter {t.drafter} x{t.num_layers} layers, taps {taps}, gamma {gamma}, context {args.context}")
     step_ms = {}  # R -> the target's step for R requests of one token each
     for R in requests:  # over R requests: B = R tokens (a step), then B = R * (gamma + 1) (a verification)

@@ -158,7 +158,8 @@ def start_vllm(cfg, venv: Path, max_batch: int, log_path: Path) -> tuple[subproc
     cmd = [
         str(vllm_python(venv)), "-m", "vllm.entrypoints.openai.api_server",
         "--model", targets.resolve(cfg.target.name_or_path), "--served-model-name", cfg.serve.model_name,
-        "--dtype", cfg.target.dtype, "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", targets.resolve_dtype(cfg.target.dtype, cfg.target.device),
+        "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", "4096", "--max-num-seqs", str(max_batch), "--enforce-eager",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, env=vllm_env(), stdout=log_path.open("a"), stderr=subprocess.STDOUT)

@@ -136,7 +136,7 @@ def main(argv=None):
         + " | verify 1 ms |"
     )
     print("|---" * (len(batches) + len(ks) + 1) + "|")
-    for dtype in args.dtypes.split(","):
+    for dtype in [targets.resolve_dtype(d, cfg.target.device) for d in args.dtypes.split(",")]:
         cfg.target.dtype = dtype
         tgt = targets.load_from_config(cfg.target)
         prompts = first_turns(cfg, tgt, max(batches))

@@ -68,12 +68,13 @@ def main(argv=None):
     gamma = cfg.eval.gamma or drafter.c.gamma
     export.export_speculators(drafter, tgt, out / "export", tgt.path, torch.float32)
     prompts = evaluation.eval_prompts(cfg, tgt, Corpus.load(cfg.corpus))
+    dtype = targets.resolve_dtype(cfg.target.dtype, cfg.target.device)
     job = {
         "target": tgt.path,
         "export": str((out / "export").resolve()),
         "method": method,
         "gamma": gamma,
-        "dtype": cfg.target.dtype,
+        "dtype": dtype,
         "max_tokens": cfg.eval.max_new_tokens,
         "max_model_len": 4096,
         "batch": args.batch,
@@ -94,7 +95,7 @@ def main(argv=None):
     )
     v = json.loads((out / "vllm.json").read_text())
     lines = [
-        f"target {cfg.target.name_or_path} ({cfg.target.dtype}), {method} drafter {args.drafter}, gamma {gamma}, "
+        f"target {cfg.target.name_or_path} ({dtype}), {method} drafter {args.drafter}, gamma {gamma}, "
         f"T=0, {len(all_prompts)} prompts x {cfg.eval.max_new_tokens} tokens",
         "",
         "| position k | ours: P(first k accepted) | vLLM |",

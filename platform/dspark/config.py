@@ -75,7 +75,9 @@ class TargetConfig(Section):
     pad_token: Optional[str] = None  # None = the tokenizer's, else its EOS
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # e.g. {enable_thinking: false}
     device: str = "cpu"  # "cuda", "cuda:1", ...
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # "auto": bfloat16 where the device multiplies it natively (CUDA with bf16; a CPU with AVX512-BF16 or AMX),
+    # else float32 (a CPU without them emulates bf16 matmuls, several times slower than float32)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Optional[str] = None  # "sdpa", "eager", "flash_attention_2"; None = library default
     threads: int = Field(0, ge=0)  # torch intra-op threads on CPU; 0 = leave torch's default
 

@@ -63,6 +63,16 @@ def test_dtype_and_device_are_configuration(builtin):
         targets.load("builtin", dtype="int3")
 
 
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_multiplies_it(builtin, monkeypatch):
+    for avx512_bf16, amx, expected in [(False, False, "float32"), (True, False, "bfloat16"), (False, True, "bfloat16")]:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        assert targets.resolve_dtype("auto", "cpu") == expected
+        assert targets.resolve_dtype("float16", "cpu") == "float16"  # an explicit dtype stays as it is
+        tgt = targets.load("builtin", device="cpu", dtype="auto")
+        assert next(tgt.model.parameters()).dtype == getattr(torch, expected)
+
+
 def test_missing_target_and_corrupt_tokenizer_are_named(tmp_path, builtin):
     with pytest.raises(UserError, match="target not found: .*nowhere"):
         targets.load(str(tmp_path / "nowhere"))
