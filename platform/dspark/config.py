@@ -140,7 +140,7 @@ class CacheConfig(Section):
     top_p: float = Field(0.95, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     seed: int = 0
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(16, ge=1)  # answers generated at once (the decoding runner's KV slots)
     num_actors: int = Field(1, ge=1)
     num_gpus_per_actor: float = Field(0.0, ge=0)
     skip_bad_shards: bool = False

@@ -4,6 +4,7 @@ protocol of regenerating each assistant turn with the target's own chat template
 tokenizer with pad == EOS, and SmolLM2's real tokenizer: ChatML, its default system prompt)."""
 
 import json
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -199,3 +200,34 @@ def test_smollm2_cache_rows_use_its_chat_template_and_keep_eos(smollm2_tokenizer
         == first + "4<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n"
     )
     assert seqs[1][n_prompt[1] :] == tok.encode("6", add_special_tokens=False) + [end]
+
+
+def test_the_runners_answers_are_hf_generations_at_t0_and_do_not_depend_on_the_batch():
+    """A target the decoding runner runs answers there: greedily, token for token what HF generation
+    answers (multi-turn, each answer ending at its first EOS); sampled, each answer is drawn with its own
+    generator, so the same conversations give the same answers at any batch size."""
+    tgt = targets.load("builtin")
+    convs = [Conversation(f"s:{i}", "s", ("def add(a, b):", "and sub?")[: 1 + i % 2]) for i in range(5)]
+    greedy = load_config(overrides=["cache.temperature=0", "cache.max_new_tokens=40", "cache.batch_size=3"]).cache
+    with patch("dspark.cache.build.hf_generate") as hf:  # the runner's path only
+        runner = regenerate(tgt.model, tgt.tokenizer, convs, greedy, 0, tgt.eos_token_ids)
+    hf.assert_not_called()
+    # the HF side of the comparison, forced: a model the runner does not run takes it
+    with patch("dspark.cache.build.family", side_effect=UserError("unsupported")):
+        hf_generations = regenerate(tgt.model, tgt.tokenizer, convs, greedy, 0, tgt.eos_token_ids)
+    assert runner == hf_generations
+    assert any(r[-1] in tgt.eos_token_ids for ts in runner for _, r in ts)  # some answers ended at their EOS
+    counted = []
+    sampled = [
+        regenerate(
+            tgt.model,
+            tgt.tokenizer,
+            convs,
+            load_config(overrides=["cache.max_new_tokens=24", f"cache.batch_size={b}"]).cache,
+            7,
+            tgt.eos_token_ids,
+            progress=counted.append,
+        )
+        for b in (1, 4)
+    ]
+    assert sampled[0] == sampled[1] and sum(counted) == 2 * sum(len(c.turns) for c in convs)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -336,13 +336,17 @@ class SpeculativeDecoder:
             n[idx], y[idx] = verify_choices(drafts[idx], l[idx], choice, first[idx])
         return n.tolist(), y.tolist()
 
-    def run(self, requests: list[Request]) -> list[Request]:
-        """Decode all requests, at most `max_slots` at a time; new ones join as others finish."""
-        queue = list(requests)
+    def run(self, requests: list[Request], progress: Optional[Callable[[int], object]] = None) -> list[Request]:
+        """Decode all requests, at most `max_slots` at a time; new ones join as others finish.
+        `progress(n)` is called as n more requests finish."""
+        queue, finished = list(requests), 0
         while queue or self.active:
             n = min(len(queue), len(self.runner.free_slots))
             if n:
                 self.add_many(queue[:n])
                 queue = queue[n:]
             self.step()
+            if progress is not None and (done := sum(r.done for r in requests)) > finished:
+                progress(done - finished)
+                finished = done
         return requests
