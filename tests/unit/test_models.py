@@ -212,3 +212,29 @@ def test_a_draft_vocabulary_is_saved_with_the_weights(tgt, tmp_path):
     assert torch.equal(props[0].tokens, props[1].tokens) and torch.equal(props[0].probs, props[1].probs)
     assert torch.isin(props[0].tokens, torch.tensor(DRAFT_IDS)).all()
     assert props[0].probs[..., ~torch.isin(torch.arange(tgt.config.vocab_size), torch.tensor(DRAFT_IDS))].sum() == 0
+
+
+def test_train_bf16_on_a_cpu_is_autocast_only_where_bf16_is_native(tgt, monkeypatch):
+    """train.bf16 on a CPU: the loss's forward under bfloat16 autocast with float32 weights and gradients,
+    the same loss as float32 within bf16 rounding; where the CPU would emulate bf16, plain float32."""
+    from dspark.config import TrainConfig
+    from dspark.train import loop
+
+    drafter, batch = _drafter(tgt, "dspark", "vanilla").train(), _real_batch(tgt)
+
+    def loss_and_grad(tc):
+        drafter.zero_grad()
+        with loop.autocast(tc):
+            autocast_on = torch.is_autocast_enabled("cpu")
+            loss, w, _ = drafter_loss(drafter, batch, GAMMA, 8, LossWeights(), torch.Generator().manual_seed(0))
+        (loss / w).backward()
+        grad = drafter.backbone.layers[0].q_proj.weight.grad
+        return autocast_on, float(loss / w), grad.dtype
+
+    monkeypatch.setattr(loop, "native_bf16", lambda device: True)
+    on, bf16_loss, grad_dtype = loss_and_grad(TrainConfig(bf16=True))
+    assert on and grad_dtype == torch.float32
+    off, fp32_loss, _ = loss_and_grad(TrainConfig(bf16=False))
+    assert not off and abs(bf16_loss - fp32_loss) < 0.02 * fp32_loss and bf16_loss != fp32_loss
+    monkeypatch.setattr(loop, "native_bf16", lambda device: False)
+    assert not loss_and_grad(TrainConfig(bf16=True))[0]

@@ -6,6 +6,7 @@ losses by the summed slot weights, so the result does not depend on how the batc
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Callable, Iterator
@@ -15,6 +16,7 @@ import torch
 from dspark.cache.format import ShardStats
 from dspark.cache.read import Cache, token_counts
 from dspark.models.drafter import select_draft_vocab
+from dspark.target import native_bf16
 from dspark.train.loss import LossWeights, drafter_loss, summarize
 
 
@@ -32,6 +34,15 @@ def lr_factor(step: int, total: int, warmup_frac: float) -> float:
     if step < warm:
         return (step + 1) / warm
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
+
+
+def autocast(tc, device: torch.device | str = "cpu"):
+    """train.bf16 as a context for the loss's forward: bfloat16 autocast where `device` multiplies bf16
+    natively (weights, gradients and optimizer stay float32), else nothing (float32)."""
+    device = torch.device(device)
+    if not (tc.bf16 and native_bf16(str(device))):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def make_optimizer(drafter, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -67,7 +78,8 @@ def fit(
             if batch is None:
                 it = batches()
                 batch = next(it)
-            loss_sum, w_sum, stats = drafter_loss(drafter, batch, tc.gamma, tc.anchors_per_seq, lw, gen)
+            with autocast(tc, batch["input_ids"].device):
+                loss_sum, w_sum, stats = drafter_loss(drafter, batch, tc.gamma, tc.anchors_per_seq, lw, gen)
             loss_sum.backward()
             total_w += float(w_sum)
             loss_total += float(loss_sum.detach())

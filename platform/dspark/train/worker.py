@@ -36,7 +36,7 @@ from dspark.config import Config
 from dspark.errors import UserError
 from dspark.models import WEIGHTS_FILE, DrafterConfig, build_drafter, save_drafter
 from dspark.models.layers import FrozenTargetHead
-from dspark.train.loop import lr_factor, make_optimizer
+from dspark.train.loop import autocast, lr_factor, make_optimizer
 from dspark.train.loss import LossWeights, drafter_loss, summarize
 
 CLIENT_STATE = "dspark_state.json"  # the data position and the not-yet-logged metrics, inside each checkpoint
@@ -183,9 +183,12 @@ def _micro_batches(shard, tc, pos: Position, manifest: Manifest, device):
 
 def _micro_step(engine, batch: dict, tc, gen: torch.Generator, world: int) -> dict:
     """Forward + backward of one micro-batch; returns its summed statistics (weights "w", "loss")."""
-    loss_sum, w_sum, stats = drafter_loss(
-        engine.module, batch, tc.gamma, tc.anchors_per_seq, LossWeights.from_config(tc), gen
-    )
+    # on CUDA train.bf16 is DeepSpeed's (bf16 weights); on a CPU autocast (float32 weights)
+    precision = nullcontext() if engine.bfloat16_enabled() else autocast(tc, batch["input_ids"].device)
+    with precision:
+        loss_sum, w_sum, stats = drafter_loss(
+            engine.module, batch, tc.gamma, tc.anchors_per_seq, LossWeights.from_config(tc), gen
+        )
     w_all = w_sum.detach().clone()
     if world > 1:
         dist.all_reduce(w_all)
