@@ -288,6 +288,9 @@ def train_loop_per_worker(config: dict) -> None:
             f"[train] resumed from the checkpoint of step {pos.step} (epoch {pos.epoch}, "
             f"micro-batch {pos.micro_in_epoch})"
         )
+    if rank == 0 and tc.bf16 and not engine.bfloat16_enabled():
+        native = targets.native_bf16(str(device))
+        _say(f"[train] train.bf16: {'bfloat16 autocast' if native else 'float32 (no native bf16 here)'} on {device}")
     run = tracking.RunClient(cfg, config["mlflow_run_id"]) if rank == 0 and config["mlflow_run_id"] else None
     if run and pos.step == 0:
         run.params({**cfg.flat(), "world_size": world, "total_steps": total, "cache.rows": manifest.rows})
