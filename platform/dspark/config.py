@@ -178,7 +178,7 @@ class TrainConfig(Section):
     zero_stage: int = Field(2, ge=0, le=3)
     optimizer: Literal["torch_adamw", "deepspeed_adamw", "deepspeed_cpu_adam"] = "torch_adamw"
     # mixed precision, weights and optimizer in float32: DeepSpeed's bf16 on CUDA; on a CPU that multiplies bf16
-    # natively (AVX512-BF16 / AMX) the forward under bfloat16 autocast (SmolLM2 drafter step 1.9x faster), elsewhere
+    # natively (AVX512-BF16 / AMX) the forward under bfloat16 autocast (SmolLM2 DSpark step 1.4x faster), elsewhere
     # float32 (an emulated bf16 matmul is slower than float32)
     bf16: bool = False
     log_every: int = Field(10, ge=1)  # rank 0 prints a progress line every this many optimizer steps
