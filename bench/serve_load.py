@@ -37,8 +37,8 @@ from pathlib import Path
 
 import httpx
 from ray import serve
+from vllm_compare import vllm_env, vllm_python  # the sibling script (bench/ is on sys.path when run)
 
-from bench.vllm_compare import vllm_env, vllm_python
 from dspark import plots
 from dspark.config import add_config_args, config_from_args, load_config, run_main
 from dspark.corpus.conversations import load_jsonl, spread
