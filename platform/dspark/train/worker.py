@@ -181,8 +181,9 @@ def _micro_batches(shard, tc, pos: Position, manifest: Manifest, device):
         pos.micro_in_epoch = 0
 
 
-def _micro_step(engine, batch: dict, tc, gen: torch.Generator, world: int) -> dict:
-    """Forward + backward of one micro-batch; returns its summed statistics (weights "w", "loss")."""
+def _micro_step(engine, batch: dict, tc, gen: torch.Generator, world: int) -> tuple[dict, bool]:
+    """Forward + backward of one micro-batch: its summed statistics (weights "w", "loss") and whether
+    it ended an optimizer step (DeepSpeed steps the optimizer on every gradient-accumulation-th call)."""
     # on CUDA train.bf16 is DeepSpeed's (bf16 weights); on a CPU autocast (float32 weights)
     precision = nullcontext() if engine.bfloat16_enabled() else autocast(tc, batch["input_ids"].device)
     with precision:
@@ -194,8 +195,11 @@ def _micro_step(engine, batch: dict, tc, gen: torch.Generator, world: int) -> di
         dist.all_reduce(w_all)
     # DeepSpeed averages over ranks and micro-steps: this gives Σ_ranks loss_sum / Σ_ranks weights
     engine.backward(loss_sum * world / w_all.clamp_min(1e-9))
+    # asked before step(), which advances DeepSpeed's micro-step counter: afterwards the answer is the
+    # next micro-batch's (with 2 micro-batches per step, steps were counted after micro-batches 1, 3, 5)
+    boundary = engine.is_gradient_accumulation_boundary()
     engine.step()
-    return {**stats, "w": w_sum, "loss": loss_sum.detach()}
+    return {**stats, "w": w_sum, "loss": loss_sum.detach()}, boundary
 
 
 def _reduce(acc: dict, world: int) -> dict:
@@ -309,10 +313,10 @@ def train_loop_per_worker(config: dict) -> None:
         gen = torch.Generator().manual_seed(
             tc.seed * 1_000_003 + rank * 10_007 + pos.step * gas + pos.micro_in_epoch % gas
         )
-        stats = _micro_step(engine, batch, tc, gen, world)
+        stats, boundary = _micro_step(engine, batch, tc, gen, world)
         pos.micro_in_epoch += 1
         acc = stats if acc is None else {k: acc[k] + v for k, v in stats.items()}
-        if not engine.is_gradient_accumulation_boundary():
+        if not boundary:
             continue
         pos.step += 1
         metrics, dt = _reduce(acc, world), time.perf_counter() - t_step
