@@ -17,7 +17,11 @@ printed: the per-round costs.
 Prompts: the first user turn of each eval.prompt_sets conversation, sent as chat (the SmolLM2
 config), else the built-in corpus's held-out code and prose prompts as plain text. Each user sends
 them one after another (streamed, T=1, max_tokens 64) for --seconds or --requests per user, whichever
-ends first; TTFT is measured by the client (the first text chunk). Every mode sees the same prompts.
+ends first (--seconds 0, the default: exactly --requests each); TTFT is measured by the client (the
+first text chunk). Every mode sees the same prompts with the same seeds, and seeded sampling makes each
+output a function of its prompt and seed: without a deadline every mode does the same work (the tables
+give the tokens each point produced: equal in float32; in bfloat16 a verification forward over more
+tokens can round a near-tie the other way), and tokens/s compares speed.
 --repeats N measures every point N times, the modes in a rotated order each time (so a slow spell of
 the machine does not fall on one mode); tables give medians, and the adaptive/best-fixed ratio is
 taken within each repeat. Writes results.json, a table and a throughput vs per-user speed PNG (the
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import signal
 import statistics
 import subprocess
@@ -109,9 +114,10 @@ async def load(url, prompts, users, seconds, max_requests, sampling) -> dict:
     out: list = []
     async with httpx.AsyncClient(timeout=600) as client:
         t0 = time.perf_counter()
+        deadline = t0 + seconds if seconds else math.inf
         await asyncio.gather(
             *(
-                user(client, url, prompts[u::users] or prompts, t0 + seconds, max_requests, sampling, out)
+                user(client, url, prompts[u::users] or prompts, deadline, max_requests, sampling, out)
                 for u in range(users)
             )
         )
@@ -122,6 +128,7 @@ async def load(url, prompts, users, seconds, max_requests, sampling) -> dict:
     spec = [x for x in out if "budget" in x]
     return {
         "requests": len(out),
+        "tokens": sum(x["tokens"] for x in out),
         "tok_s": sum(x["tokens"] for x in out) / wall,
         "per_user_tok_s": statistics.mean(x["tokens"] / x["latency"] for x in out),
         "p50": lat[len(lat) // 2],
@@ -201,8 +208,8 @@ def main(argv=None):
     p.add_argument("--drafter", default="results/comparison/dspark")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--max-batch", type=int, default=0, help="serve.max_batch (default: the largest concurrency)")
-    p.add_argument("--seconds", type=float, default=20)
-    p.add_argument("--requests", type=int, default=8, help="per user, per point")
+    p.add_argument("--seconds", type=float, default=0, help="stop sending after this long (0: no deadline)")
+    p.add_argument("--requests", type=int, default=4, help="per user, per point")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--static", default="1,2,4", help="static lengths to compare")
     p.add_argument("--modes", default="", help="only these modes (comma-separated names; default all)")
@@ -281,13 +288,15 @@ def main(argv=None):
     med = {m: {c: median_row(rs) for c, rs in rows.items()} for m, rows in results.items()}
     print(
         f"\nmedians over {args.repeats} repeat(s)"
-        "\n| mode | C | tok/s | tok/s per user | p50 s | p99 s | TTFT p50 s | mean budget | drafting share |"
-        "\n|---|---|---|---|---|---|---|---|---|"
+        "\n| mode | C | requests | tokens | tok/s | tok/s per user | p50 s | p99 s | TTFT p50 s | mean budget "
+        "| drafting share |"
+        "\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for mode, rows in med.items():
         for c, r in rows.items():
             print(
-                f"| {mode} | {c} | {r['tok_s']:.1f} | {r['per_user_tok_s']:.1f} | {r['p50']:.2f} | {r['p99']:.2f} | "
+                f"| {mode} | {c} | {r['requests']:.0f} | {r['tokens']:.0f} "
+                f"| {r['tok_s']:.1f} | {r['per_user_tok_s']:.1f} | {r['p50']:.2f} | {r['p99']:.2f} | "
                 f"{r['ttft_p50']:.2f} | {fmt(r['budget'], '.2f')} | {fmt(r['drafting_share'], '.2f')} |"
             )
     fixed = [m for m in modes if m.startswith(("target-only", "static"))]
