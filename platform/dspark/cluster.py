@@ -8,6 +8,8 @@ from pathlib import Path
 
 import psutil
 
+from dspark.services import free_port
+
 
 def runtime_env() -> dict:
     """Ship the library to the workers when it is not installed there (a plain checkout submitted
@@ -43,8 +45,27 @@ def init_ray(cfg) -> None:
     kwargs: dict = {"runtime_env": runtime_env(), "ignore_reinit_error": True}
     if address:
         ray.init(address=address, **kwargs)
-    else:  # "local": a new Ray, even when `ray start` has recorded another one on this machine (ray.init() joins it)
-        _start_local(lambda: ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False, **kwargs))
+        return
+    # "local": a new Ray, even when `ray start` has recorded another one on this machine (ray.init() joins
+    # it). Its workers must reach ITS state API: Ray Train's placement-group cleaner asks it every second
+    # whether the run's controller is alive, and a worker without an address finds the latest `ray start`
+    # cluster on the machine (which knows no such actor: the cleaner then removes the running training's
+    # placement group), or several clusters (an error), or none (a warning every second).
+    dashboard = free_port()
+    kwargs["runtime_env"] = {
+        **kwargs["runtime_env"],
+        "env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard}"},
+    }
+    _start_local(
+        lambda: ray.init(
+            address="local",
+            num_cpus=cfg.ray.num_cpus,
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            dashboard_port=dashboard,
+            **kwargs,
+        )
+    )
 
 
 def _start_local(start, attempts: int = 3) -> None:
