@@ -228,6 +228,7 @@ def main(argv=None):
     )
     p.add_argument("--curve-every", type=int, default=0, help="held-out expected tau every N steps (learning curves)")
     p.add_argument("--heldout", type=float, default=0.1, help="fraction of cache rows held out for the curves")
+    p.add_argument("--train-only", action="store_true", help="train (and plot the curves), no evaluation")
     p.add_argument(
         "--gammas", default="", help="static verification lengths to also evaluate _g15 variants at, e.g. 3,7,15"
     )
@@ -266,6 +267,8 @@ def main(argv=None):
         (out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
     if any(v.get("curve") for v in info.values()):
         plot_curves(info, out / "learning_curves.png")
+    if args.train_only:
+        return
     corpus = Corpus.load(cfg.corpus)
     groups: dict[int, dict] = {}
     for name, d in drafters.items():

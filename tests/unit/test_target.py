@@ -21,6 +21,7 @@ from dspark.corpus.sources import Corpus
 from dspark.corpus.tokenizer import EOS, MASK, USER, chat_ids
 from dspark.errors import UserError
 from dspark.target import quality
+from dspark.target.packed import PackedLinear
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,29 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_multiplies_it(builtin, monkey
         assert targets.resolve_dtype("float16", "cpu") == "float16"  # an explicit dtype stays as it is
         tgt = targets.load("builtin", device="cpu", dtype="auto")
         assert next(tgt.model.parameters()).dtype == getattr(torch, expected)
+
+
+def test_a_bf16_target_on_a_native_bf16_cpu_runs_packed_linears_with_the_same_results(builtin):
+    """target.cpu_prepack: every linear of a bf16 target becomes a PackedLinear (its dense weight still
+    the module's `weight`, the lm_head still tied to the embedding) and the logits stay the plain ones."""
+    packed = targets.load("builtin", dtype="bfloat16")
+    plain = targets.load("builtin", dtype="bfloat16", cpu_prepack=False)
+    linears = sum(type(m) is torch.nn.Linear for m in plain.model.modules())
+    n_packed = sum(type(m) is PackedLinear for m in packed.model.modules())
+    if not targets.native_bf16("cpu"):  # emulated bf16: nothing is packed
+        assert n_packed == 0
+        return
+    assert n_packed == linears == 6 * 7 + 1
+    assert packed.model.lm_head.weight is packed.model.get_input_embeddings().weight
+    ids = torch.randint(10, 4096, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = packed.model(ids).logits.float(), plain.model(ids).logits.float()
+        step_a = packed.model(ids[:, :1]).logits.float()
+        step_b = plain.model(ids[:, :1]).logits.float()
+    torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)  # bf16 rounding of a different summation order
+    torch.testing.assert_close(step_a, step_b, atol=0.05, rtol=0.02)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.97
+    assert targets.load("builtin", dtype="float32").model.lm_head.__class__ is torch.nn.Linear
 
 
 def test_missing_target_and_corrupt_tokenizer_are_named(tmp_path, builtin):

@@ -30,6 +30,7 @@ import torch
 from dspark.config import LOCAL_DIR
 from dspark.corpus.tokenizer import load_tokenizer
 from dspark.errors import UserError
+from dspark.target import packed
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 DEFAULT_CACHE_DIR = LOCAL_DIR / "targets"  # converted GGUF targets
@@ -248,8 +249,10 @@ def load(
     cache_dir: str | Path | None = None,
     mask_token: int | str | None = None,
     pad_token: str | None = None,
+    cpu_prepack: bool = True,
 ) -> Target:
-    """Load any decoder-only HF causal LM with its tokenizer, frozen, in eval mode (dtype: see resolve_dtype)."""
+    """Load any decoder-only HF causal LM with its tokenizer, frozen, in eval mode (dtype: see resolve_dtype).
+    cpu_prepack: a bfloat16 model on a CPU with native bf16 gets oneDNN-packed linears (`packed`)."""
     from transformers import AutoModelForCausalLM
 
     dtype = resolve_dtype(dtype, device)
@@ -263,6 +266,8 @@ def load(
         raise UserError(f"target {path!r} could not be loaded: {str(e).splitlines()[0]}") from None
     tokenizer = prepare_tokenizer(load_tokenizer(path), model.config.vocab_size, mask_token, pad_token)
     model.to(device).eval().requires_grad_(False)
+    if cpu_prepack and native_bf16(device):
+        packed.prepack(model)
     return Target(name_or_path, path, model, tokenizer, weights_hash(path), hub_revision(path))
 
 
@@ -380,6 +385,7 @@ def load_from_config(cfg) -> Target:
         cache_dir=cfg.cache_dir,
         mask_token=cfg.mask_token,
         pad_token=cfg.pad_token,
+        cpu_prepack=cfg.cpu_prepack,
     )
 
 
