@@ -163,9 +163,9 @@ class PerturbedTarget(Drafter):
         prev = anchors
         for k in range(gamma):
             logits = self._logits(ctxs)
-            if self.draft_ids is not None:  # what a drafter with a draft vocabulary samples from
-                logits = self.to_target_vocab(logits[:, self.draft_ids])
-            tok, q = sample(logits)
+            if self.draft_ids is not None:  # what a drafter with a draft vocabulary samples from: its columns
+                logits = logits[:, self.draft_ids]
+            tok, q = self.sample(sample, logits)
             confs.append(self.conf[prev])
             toks.append(tok)
             qs.append(q)
@@ -342,6 +342,32 @@ def test_batch_sampler_draws_each_row_from_its_own_distribution():
     assert (toks[:, -1] == 0).all()  # greedy: the argmax, always
     freq = torch.bincount(toks[:, :-1].flatten(), minlength=4).double() / toks[:, :-1].numel()
     assert freq[1] == 0 and (freq - p.double()).abs().max() < 4 * (0.25 / toks[:, :-1].numel()) ** 0.5, freq
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(1.0), SamplingParams(0.7, 0.9, 50), SamplingParams(0.0)])
+@pytest.mark.parametrize("keyed", [False, True])
+def test_sampling_a_draft_vocabulary_is_sampling_its_scattered_logits(sp, keyed):
+    """BatchSampler given only a draft vocabulary's columns (ids, vocab) draws what it draws from the
+    scattered full-vocabulary logits (-inf elsewhere) with the same generators and keys: the same tokens
+    (target ids) and the same q, for plain, top-k/top-p, greedy and seeded (Gumbel-max) requests."""
+    V, R = 300, 64
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randperm(V, generator=g)[:100].sort().values
+    u = torch.randn(R, len(ids), generator=g) * 3
+    full = u.new_full((R, V), float("-inf")).index_copy_(-1, ids, u)
+    keys = [(seed, 5) for seed in range(R)] if keyed else None
+
+    def sampler():
+        return BatchSampler([sp] * R, [torch.Generator().manual_seed(r) for r in range(R)], keys)
+
+    a, b = sampler(), sampler()
+    for _ in range(3):  # successive draft positions: the keyed noise moves with them
+        tok_full, q_full = a(full)
+        tok_d, q_d = b(u, ids, V)
+        assert torch.equal(tok_d, tok_full)
+        torch.testing.assert_close(q_d, q_full, atol=1e-6, rtol=1e-5)
+        assert set(tok_d.tolist()) <= set(ids.tolist()) and q_d[:, ~torch.isin(torch.arange(V), ids)].sum() == 0
+    assert len(set(tok_d.tolist())) > (1 if not sp.greedy else 0)  # not a degenerate draw
 
 
 def test_chi_square_catches_a_broken_verifier(tiny, monkeypatch):

@@ -69,7 +69,7 @@ def _batch(tgt, B=2):
 )
 def test_packed_training_equals_per_block_decoding(tgt, kind, markov, draft_ids, sample_from_anchor):
     """With a draft vocabulary, training's logits are over it and decoding samples from the same
-    logits scattered to the whole vocabulary, -inf (q = 0) elsewhere."""
+    logits, handed to the sampler with their target ids (q = 0 elsewhere)."""
     drafter = _drafter(tgt, kind, markov, draft_ids, sample_from_anchor)
     inside = torch.zeros(tgt.config.vocab_size, dtype=torch.bool)
     inside[draft_ids if draft_ids is not None else slice(None)] = True
@@ -81,9 +81,10 @@ def test_packed_training_equals_per_block_decoding(tgt, kind, markov, draft_ids,
         for n, p in enumerate(anchors[b].tolist()):
             seen = []
 
-            def teacher(logits, b=b, p=p, seen=seen):  # record what the slot saw, take the true token
-                seen.append(logits[0])
-                return ids[b, p + len(seen)].view(1), torch.softmax(logits, -1)
+            def teacher(logits, cols=None, vocab=0, b=b, p=p, seen=seen):  # record what the slot saw (over
+                full = _scattered(logits, cols, vocab)  # the whole vocabulary), take the true token
+                seen.append(full[0])
+                return ids[b, p + len(seen)].view(1), torch.softmax(full, -1)
 
             state = DraftState()  # committed context: positions 0..p-1, each with the token after it
             drafter.extend([state], [feats[b, :p]], [ids[b, 1 : p + 1]])
@@ -93,6 +94,20 @@ def test_packed_training_equals_per_block_decoding(tgt, kind, markov, draft_ids,
             assert torch.isneginf(got[:, ~inside]).all()
             if "conf_logit" in train:
                 assert (prop.conf_logit[0] - train["conf_logit"][b, n]).abs().max() < 1e-4
+
+
+def _scattered(logits, cols=None, vocab=0):
+    """A sampler's logits (R, n) over target ids `cols` (None: the whole vocabulary) as (R, vocab), -inf elsewhere."""
+    return (
+        logits
+        if cols is None
+        else logits.new_full((logits.shape[0], vocab), float("-inf")).index_copy_(-1, cols, logits)
+    )
+
+
+def _greedy(logits, cols=None, vocab=0):
+    full = _scattered(logits, cols, vocab)
+    return full.argmax(-1), torch.softmax(full, -1)
 
 
 def _real_batch(tgt):
@@ -208,7 +223,7 @@ def test_a_draft_vocabulary_is_saved_with_the_weights(tgt, tmp_path):
     for d in (drafter, loaded):
         state = DraftState()
         d.extend([state], [feats[0, :9]], [ids[0, 1:10]])
-        props.append(d.propose([state], ids[0, 9].view(1), GAMMA, lambda u: (u.argmax(-1), torch.softmax(u, -1))))
+        props.append(d.propose([state], ids[0, 9].view(1), GAMMA, _greedy))
     assert torch.equal(props[0].tokens, props[1].tokens) and torch.equal(props[0].probs, props[1].probs)
     assert torch.isin(props[0].tokens, torch.tensor(DRAFT_IDS)).all()
     assert props[0].probs[..., ~torch.isin(torch.arange(tgt.config.vocab_size), torch.tensor(DRAFT_IDS))].sum() == 0

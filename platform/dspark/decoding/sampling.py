@@ -116,7 +116,13 @@ class BatchSampler:
     """Samples row r of a (R, V) logits batch from request r's distribution with request r's
     generator; returns the tokens and the distributions they were drawn from. A request with a
     key (seed, first output position) is sampled by Gumbel-max with its position's noise instead;
-    the k-th call of a round draws output position first + k."""
+    the k-th call of a round draws output position first + k.
+
+    A drafter with a draft vocabulary passes only its columns: logits (R, n) scoring the increasing
+    target ids `ids` (n,) of a vocabulary of `vocab`, every other token having probability 0: the same
+    draw as from the scattered (R, vocab) logits with -inf elsewhere (the same CDF steps in the same
+    order, the Gumbel noise read at the same ids; equal up to the float rounding of the softmax's
+    normaliser) at n / vocab of the cost. The distributions come back scattered to (R, vocab)."""
 
     def __init__(
         self,
@@ -128,15 +134,25 @@ class BatchSampler:
         self.keys = keys or [None] * len(params)
         self.calls = 0
 
-    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = batch_probs(logits, self.params)  # (R, V)
+    def __call__(
+        self, logits: torch.Tensor, ids: torch.Tensor | None = None, vocab: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = batch_probs(logits, self.params)  # (R, n)
         # one uniform per request from its own generator, then ONE batched search (one multinomial call
-        # per request and draft position dominated a drafting round)
+        # per request and draft position dominated a drafting round); drawn for keyed rows too, so a
+        # request's generator advances the same way whichever rows are keyed
         u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in self.generators])  # (R,)
-        toks = inverse_cdf(rows, u)
         keyed = [r for r, key in enumerate(self.keys) if key is not None and not self.params[r].greedy]
-        if keyed:  # Gumbel-max with the noise of each keyed request's output position
-            noise = torch.cat([gumbel(self.keys[r][0], self.keys[r][1] + self.calls, 1, rows.shape[-1]) for r in keyed])
-            toks[keyed] = perturbed(rows[keyed], noise).argmax(-1)
+        plain = [r for r in range(len(self.params)) if r not in set(keyed)]
+        toks = torch.zeros(len(self.params), dtype=torch.long)
+        if plain:
+            toks[plain] = inverse_cdf(rows[plain], u[plain])
+        if keyed:  # Gumbel-max with the noise of each keyed request's output position (at the given ids)
+            full = vocab if ids is not None else rows.shape[-1]
+            noise = torch.cat([gumbel(self.keys[r][0], self.keys[r][1] + self.calls, 1, full) for r in keyed])
+            toks[keyed] = perturbed(rows[keyed], noise if ids is None else noise[:, ids.cpu()]).argmax(-1)
         self.calls += 1
-        return toks.to(logits.device), rows
+        if ids is None:
+            return toks.to(logits.device), rows
+        ids = ids.to(rows.device)
+        return ids[toks.to(rows.device)], rows.new_zeros(rows.shape[0], vocab).index_copy_(-1, ids, rows)

@@ -22,8 +22,9 @@ from dspark.errors import UserError
 from dspark.models.config import DrafterConfig
 from dspark.models.layers import FrozenTargetHead
 
-# sample(logits (R, V)) -> (tokens (R,), probabilities (R, V) or None when greedy)
-Sampler = Callable[[torch.Tensor], tuple[torch.Tensor, Optional[torch.Tensor]]]
+# sample(logits (R, V)) -> (tokens (R,), probabilities (R, V) or None when greedy); with a draft vocabulary
+# sample(logits (R, V_d), ids (V_d,), V): the columns score target ids `ids`, the rest have probability 0
+Sampler = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
 @dataclass
@@ -146,6 +147,12 @@ class Drafter(nn.Module):
             return u
         out = u.new_full((*u.shape[:-1], self.c.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.draft_ids, u)
+
+    def sample(self, sample: Sampler, u: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Draft tokens (target ids) from draft-vocabulary logits u (R, V_d) (V without one) and q over V."""
+        if self.draft_ids is None:
+            return sample(u)
+        return sample(u, self.draft_ids, self.c.vocab_size)
 
     @property
     def has_confidence(self) -> bool:

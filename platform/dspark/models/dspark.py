@@ -85,13 +85,13 @@ class DSpark(Drafter):
         h = self.backbone(x, pos, ctx_kv, valid[:, None, None, :].expand(R, 1, L, -1), L)[:, L - gamma :]  # (R, G, d)
         U = self.logits(h).float()  # (R, G, V_d)
         if self.markov is None:  # DFlash: every slot independently
-            toks, probs = zip(*(sample(self.to_target_vocab(U[:, k])) for k in range(gamma)))
+            toks, probs = zip(*(self.sample(sample, U[:, k]) for k in range(gamma)))
             return Proposal(torch.stack(toks, 1), None if probs[0] is None else torch.stack(probs, 1), None)
         toks, probs, confs = [], [], []
         prev, state = anchors, self.markov.init_state(R, h.device, h.dtype)
         for k in range(gamma):
             bias, e, state = self.markov.step(h[:, k], prev, state)
-            tok, q = sample(self.to_target_vocab(U[:, k] + bias.float()))
+            tok, q = self.sample(sample, U[:, k] + bias.float())
             confs.append(self.confidence(h[:, k], e).float())
             toks.append(tok)
             probs.append(q)

@@ -95,7 +95,7 @@ class Eagle3(Drafter):
         ctx_k, ctx_v = kv[0]
         h = torch.stack([s.extra["h"] for s in states])  # (R, d)
         last = torch.tensor([s.length - 1 for s in states], device=anchors.device)  # position of step 0
-        tok, q = sample(self.to_target_vocab(self.logits(self.norm(h)).float()))
+        tok, q = self.sample(sample, self.logits(self.norm(h)).float())
         toks, probs = [tok], [q]
         ks, vs = [], []
         for k in range(1, gamma):
@@ -106,7 +106,7 @@ class Eagle3(Drafter):
             ks.append(kk)
             vs.append(vv)
             h = out[:, 0]
-            tok, q = sample(self.to_target_vocab(self.logits(self.norm(h)).float()))
+            tok, q = self.sample(sample, self.logits(self.norm(h)).float())
             toks.append(tok)
             probs.append(q)
         return Proposal(torch.stack(toks, 1), None if probs[0] is None else torch.stack(probs, 1), None)
