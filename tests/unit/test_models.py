@@ -15,6 +15,7 @@ from dspark.errors import UserError
 from dspark.models import load_drafter, save_drafter
 from dspark.models.drafter import DraftState, select_draft_vocab
 from dspark.models.layers import block_attention
+from dspark.target.packed import PackedLinear
 from dspark.train.anchors import sample_anchors, slot_labels
 from dspark.train.loss import LossWeights, drafter_loss
 
@@ -253,3 +254,41 @@ def test_train_bf16_on_a_cpu_is_autocast_only_where_bf16_is_native(tgt, monkeypa
     assert not off and abs(bf16_loss - fp32_loss) < 0.02 * fp32_loss and bf16_loss != fp32_loss
     monkeypatch.setattr(loop, "native_bf16", lambda device: False)
     assert not loss_and_grad(TrainConfig(bf16=True))[0]
+
+
+@pytest.mark.parametrize(
+    "kind, markov, draft_ids",
+    [("dspark", "vanilla", DRAFT_IDS), ("dflash", "none", None), ("eagle3", "none", DRAFT_IDS)],
+)
+def test_a_drafter_loaded_beside_a_packed_target_is_packed_and_drafts_the_same(tgt, tmp_path, kind, markov, draft_ids):
+    """load_drafter next to a bf16 target with packed linears (target.cpu_prepack) packs the drafter's
+    linears and its LM head too: the same weights and state dict, the same logits within bf16 rounding."""
+    save_drafter(_drafter(tgt, kind, markov, draft_ids), tmp_path)
+    packed_target = targets.load("builtin", dtype="bfloat16")
+    plain = load_drafter(tmp_path, targets.load("builtin", dtype="bfloat16", cpu_prepack=False).model)
+    loaded = load_drafter(tmp_path, packed_target.model)
+    n_packed = sum(type(m) is PackedLinear for m in loaded.modules())
+    if not targets.native_bf16("cpu"):  # emulated bf16: neither is packed
+        assert n_packed == 0 and loaded.packed_lm_head is None
+        return
+    assert n_packed == sum(type(m) is torch.nn.Linear for m in plain.modules()) > 0
+    assert loaded.packed_lm_head is not None and plain.packed_lm_head is None
+    a, b = plain.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ids, feats, _ = _batch(tgt)
+    seen = {}
+    for name, d in (("plain", plain), ("packed", loaded)):
+        logits = seen[name] = []
+
+        def record(u, cols=None, vocab=0, logits=logits):  # every slot's logits, then its argmax
+            logits.append(_scattered(u, cols, vocab))
+            return _greedy(u, cols, vocab)
+
+        state = DraftState()
+        d.extend([state], [feats[0, :9]], [ids[0, 1:10]])
+        d.propose([state], ids[0, 9].view(1), GAMMA, record)
+    got, want = torch.stack(seen["packed"]), torch.stack(seen["plain"])
+    assert got.shape == want.shape == (GAMMA, 1, tgt.config.vocab_size)
+    inside = torch.isfinite(want)
+    assert torch.equal(inside, torch.isfinite(got))
+    torch.testing.assert_close(got[inside], want[inside], atol=0.05, rtol=0.02)  # a different summation order

@@ -18,6 +18,7 @@ from dspark.models.drafter import Drafter, DraftState, Proposal
 from dspark.models.dspark import DSpark
 from dspark.models.eagle3 import Eagle3
 from dspark.models.layers import FrozenTargetHead
+from dspark.target import packed
 
 __all__ = ["DrafterConfig", "Drafter", "DraftState", "Proposal", "build_drafter", "save_drafter", "load_drafter"]
 
@@ -66,7 +67,10 @@ def load_drafter(path: str | Path, target_model, target_hash: str | None = None,
     drafter = build_drafter(c, target_model)
     dtype = next(target_model.parameters()).dtype
     drafter.load_state_dict(load_file(str(path / WEIGHTS_FILE)))
-    return drafter.to(device=next(target_model.parameters()).device, dtype=dtype).eval()
+    drafter = drafter.to(device=next(target_model.parameters()).device, dtype=dtype).eval()
+    if packed.is_packed(target_model):  # a bf16 target on a native-bf16 CPU (target.cpu_prepack)
+        drafter.prepack()
+    return drafter
 
 
 def fetch_drafter(cfg, uri: str, target) -> Drafter:

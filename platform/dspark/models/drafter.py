@@ -21,6 +21,7 @@ from torch import nn
 from dspark.errors import UserError
 from dspark.models.config import DrafterConfig
 from dspark.models.layers import FrozenTargetHead
+from dspark.target import packed
 
 # sample(logits (R, V)) -> (tokens (R,), probabilities (R, V) or None when greedy); with a draft vocabulary
 # sample(logits (R, V_d), ids (V_d,), V): the columns score target ids `ids`, the rest have probability 0
@@ -117,6 +118,7 @@ class Drafter(nn.Module):
         self.register_buffer("draft_ids", torch.arange(c.draft_vocab) if c.draft_vocab else None)
         self.register_buffer("t2d", None, persistent=False)
         self.register_buffer("draft_lm_head", None, persistent=False)
+        self.packed_lm_head = None  # prepack: the oneDNN-packed copy of the LM head the drafter scores with
         if c.draft_vocab:
             self._index_draft_vocab()
             self.register_load_state_dict_post_hook(lambda module, _keys: module._index_draft_vocab())
@@ -134,9 +136,23 @@ class Drafter(nn.Module):
         self.t2d = torch.full((self.c.vocab_size,), -1, dtype=torch.long, device=ids.device)
         self.t2d[ids] = torch.arange(ids.numel(), device=ids.device)
         self.draft_lm_head = self.head.lm_head_weight[ids]
+        self.packed_lm_head = None  # packed from the old rows
+
+    def prepack(self) -> int:
+        """Serving beside a packed target (`packed.is_packed`): every linear and the LM head the drafter
+        scores with run from oneDNN-packed weights, as the target's do. Inference only (no gradients);
+        the weights, the state dict and what exports read are unchanged. Returns how many linears."""
+        n = packed.prepack(self)
+        if n:
+            self.packed_lm_head = packed.pack(
+                self.head.lm_head_weight if self.draft_lm_head is None else self.draft_lm_head
+            )
+        return n
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h (..., d) -> logits over the draft vocabulary (..., V_d); (..., V) without one."""
+        if self.packed_lm_head is not None and h.dtype == torch.bfloat16:
+            return packed.linear(h, self.packed_lm_head)
         if self.draft_ids is None:
             return self.head.logits(h)
         return h @ self.draft_lm_head.T.to(h.dtype)

@@ -6,6 +6,8 @@ layout, reordered once at load (what torch.compile's CPU freezing does to a bf16
 from the row-major layout plain F.linear hands it each call. The result is the same product
 (the logits of a SmolLM2 step are bit-identical); the dense weight stays the module's `weight`,
 so whatever reads the weights (the drafter's shared lm_head, hashes, exports) sees no change.
+A drafter served beside a packed target is packed too (`Drafter.prepack`): its linears and its LM
+head over the draft vocabulary are the same kind of products.
 """
 
 from __future__ import annotations
@@ -22,6 +24,21 @@ def supported(model: nn.Module) -> bool:
     return p.device.type == "cpu" and p.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and ops
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A (out, in) weight -> its oneDNN-packed copy: an opaque tensor for `linear`, never saved."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) from pack(weight): (..., in) -> (..., out)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+def is_packed(model: nn.Module) -> bool:
+    """Whether prepack packed the model's linears."""
+    return any(type(m) is PackedLinear for m in model.modules())
+
+
 class PackedLinear(nn.Module):
     """nn.Linear's product from a oneDNN-packed copy of the weight (kept alongside as `weight`)."""
 
@@ -29,11 +46,10 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        # the packed copy: an opaque oneDNN tensor, never saved (not a parameter or persistent buffer)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.packed = pack(linear.weight)  # not a parameter or persistent buffer: never saved
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return linear(x, self.packed, self.bias)
 
 
 def prepack(model: nn.Module) -> int:
