@@ -554,11 +554,12 @@ def build(args: dict) -> serve.Application:
         cfg = load_config(args.get("config"), list(args.get("overrides", [])))
     cfg_json = cfg.model_dump_json()
     calibration = None
-    if cfg.serve.calibration and cfg.serve.drafter_uri:
+    if cfg.serve.drafter_uri:  # a missing drafter or an unreachable store fails here, not in every replica
         gamma, start = _drafter_calibration(cfg)
-        calibration = CalibrationActor.options(name=f"calibration-{cfg.serve.model_name}").bind(
-            cfg_json, gamma, start.to_dict() if start else None
-        )
+        if cfg.serve.calibration:
+            calibration = CalibrationActor.options(name=f"calibration-{cfg.serve.model_name}").bind(
+                cfg_json, gamma, start.to_dict() if start else None
+            )
     engine = SpeculativeEngine.options(**engine_options(cfg)).bind(cfg_json, calibration)
     return Ingress.bind(cfg_json, engine, calibration)
 
@@ -581,15 +582,18 @@ def engine_options(cfg) -> dict:
 
 
 def _drafter_calibration(cfg):
-    """(gamma served, the drafter's shipped calibration or None); a calibration of another length is
-    refused here, before anything is deployed."""
+    """(gamma served, the drafter's shipped calibration or None), read before anything is deployed: a
+    drafter that is not there, a store that cannot be reached (one line naming its endpoint) and a
+    calibration of another length are refused here."""
     import tempfile
 
     from dspark.artifacts import download_drafter
     from dspark.calibration import sts
     from dspark.errors import UserError
     from dspark.models import CONFIG_FILE, DrafterConfig
+    from dspark.storage import Storage
 
+    Storage.from_config(cfg.storage).check(cfg.serve.drafter_uri)  # one quick try (models:/ and paths: none)
     with tempfile.TemporaryDirectory(prefix="drafter-") as d:  # the two small files, not the weights
         local = download_drafter(cfg, cfg.serve.drafter_uri, d, only=(CONFIG_FILE, sts.FILE))
         if not (local / CONFIG_FILE).is_file():

@@ -14,6 +14,7 @@ from ray.exceptions import RayActorError
 
 from dspark.config import load_config
 from dspark.decoding.events import Done, Error, Text, coalesce
+from dspark.errors import UserError
 from serving import app as serving
 
 KEY = "k-123"
@@ -436,3 +437,15 @@ def test_the_replica_sends_every_round_with_no_interval_and_cancels_a_stream_lef
         assert feed.cancelled == [feed.stream]
 
     asyncio.run(run())
+
+
+def test_a_drafter_that_cannot_be_read_is_refused_before_anything_is_deployed(tmp_path):
+    """The app's builder reads the drafter's config in the driver, calibration or not: an unreachable
+    store is one line naming its endpoint (not a replica that fails to start, retried for minutes), and a
+    folder without a drafter is named."""
+    base = ["serve.calibration=false", "mlflow.enabled=false"]
+    unreachable = ["serve.drafter_uri=s3://dspark/drafters/x", "storage.endpoint_url=http://127.0.0.1:9"]
+    with pytest.raises(UserError, match="object store http://127.0.0.1:9 is unreachable for s3://dspark/drafters/x"):
+        serving.build({"overrides": [*base, *unreachable]})
+    with pytest.raises(UserError, match=f"no drafter at {tmp_path}"):
+        serving.build({"overrides": [*base, f"serve.drafter_uri={tmp_path}"]})
