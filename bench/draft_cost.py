@@ -18,7 +18,6 @@ from dspark import target as targets
 from dspark.config import add_config_args, config_from_args, run_main
 from dspark.decoding.profile import draft_time, profile
 from dspark.models import count_params
-from dspark.target import packed
 from dspark.target.taps import default_layers
 from dspark.train.worker import drafter_for
 
@@ -54,9 +53,7 @@ def main(argv=None):
             c.train.drafter = kind
             ids = list(range(vd)) if 0 < vd < V else None
             drafter = drafter_for(c, taps, {"name": cfg.target.name_or_path}, "cpu", ids).eval()
-            drafter.to(next(tgt.model.parameters()).dtype)
-            if packed.is_packed(tgt.model):  # as load_drafter serves it beside a packed target
-                drafter.prepack()
+            drafter.to(next(tgt.model.parameters()).dtype).pack_like(tgt.model)  # as load_drafter serves it
             cells = []
             for R in requests:
                 ms = 1000 * draft_time(tgt.model, drafter, R, gamma, args.context, args.repeats)

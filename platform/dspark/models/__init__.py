@@ -18,7 +18,6 @@ from dspark.models.drafter import Drafter, DraftState, Proposal
 from dspark.models.dspark import DSpark
 from dspark.models.eagle3 import Eagle3
 from dspark.models.layers import FrozenTargetHead
-from dspark.target import packed
 
 __all__ = ["DrafterConfig", "Drafter", "DraftState", "Proposal", "build_drafter", "save_drafter", "load_drafter"]
 
@@ -68,8 +67,7 @@ def load_drafter(path: str | Path, target_model, target_hash: str | None = None,
     dtype = next(target_model.parameters()).dtype
     drafter.load_state_dict(load_file(str(path / WEIGHTS_FILE)))
     drafter = drafter.to(device=next(target_model.parameters()).device, dtype=dtype).eval()
-    if packed.is_packed(target_model):  # a bf16 target on a native-bf16 CPU (target.cpu_prepack)
-        drafter.prepack()
+    drafter.pack_like(target_model)
     return drafter
 
 

@@ -138,11 +138,11 @@ class Drafter(nn.Module):
         self.draft_lm_head = self.head.lm_head_weight[ids]
         self.packed_lm_head = None  # packed from the old rows
 
-    def prepack(self) -> int:
-        """Serving beside a packed target (`packed.is_packed`): every linear and the LM head the drafter
-        scores with run from oneDNN-packed weights, as the target's do. Inference only (no gradients);
-        the weights, the state dict and what exports read are unchanged. Returns how many linears."""
-        n = packed.prepack(self)
+    def pack_like(self, target_model: nn.Module) -> int:
+        """Beside a target whose linears are packed (target.cpu_prepack): every linear and the LM head the
+        drafter scores with run from oneDNN-packed weights too. Inference only (no gradients); the
+        weights, the state dict and what exports read are unchanged. Returns how many linears (0: none)."""
+        n = packed.prepack(self) if packed.is_packed(target_model) else 0
         if n:
             self.packed_lm_head = packed.pack(
                 self.head.lm_head_weight if self.draft_lm_head is None else self.draft_lm_head

@@ -6,7 +6,7 @@ layout, reordered once at load (what torch.compile's CPU freezing does to a bf16
 from the row-major layout plain F.linear hands it each call. The result is the same product
 (the logits of a SmolLM2 step are bit-identical); the dense weight stays the module's `weight`,
 so whatever reads the weights (the drafter's shared lm_head, hashes, exports) sees no change.
-A drafter served beside a packed target is packed too (`Drafter.prepack`): its linears and its LM
+A drafter served beside a packed target is packed too (`Drafter.pack_like`): its linears and its LM
 head over the draft vocabulary are the same kind of products.
 """
 
