@@ -24,9 +24,10 @@ from dspark.decoding import speculative as spec
 from dspark.decoding.runner import TargetRunner
 from dspark.decoding.sampling import BatchSampler, SamplingParams, inverse_cdf, probs
 from dspark.decoding.speculative import Request, SpeculativeDecoder
+from dspark.decoding.verify import verify_sampled
 from dspark.errors import UserError
 from dspark.models import DrafterConfig
-from dspark.models.drafter import Drafter, DraftState, Proposal
+from dspark.models.drafter import Drafter, DraftState
 from dspark.models.layers import FrozenTargetHead
 from dspark.scheduling import policies
 from dspark.scheduling.sps import SPSTable
@@ -171,7 +172,7 @@ class PerturbedTarget(Drafter):
             qs.append(q)
             ctxs = [c + (int(t),) for c, t in zip(ctxs, tok)]
             prev = tok
-        return Proposal(torch.stack(toks, 1), torch.stack(qs, 1), torch.stack(confs, 1))
+        return self.proposal(toks, qs, confs)
 
 
 def _exact_law(model, prompt):
@@ -262,7 +263,7 @@ def test_sampling_matches_target_distribution(request, target, name, policy):
     assert p_value > 1e-3, (name, p_value, n)
 
 
-@pytest.mark.parametrize("kind", ["cost", "idle", "gap", "catch-up"])
+@pytest.mark.parametrize("kind", ["cost", "idle", "gap", "catch-up", "timed"])
 def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     """The engine's adaptive path: a DraftGate decides before each round whether to draft at all, and a
     drafted round prices its lengths with the drafting time as paid. cost: drafting costs 20 target
@@ -271,7 +272,11 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     nothing, which stops drafting until the next probe. gap: as cost, but a probe also waits until its
     drafting round costs at most `overhead` of the plain rounds before it (3-4 rounds here, from R).
     catch-up: as gap, but the probe's price is mostly the drafter's catch-up over the positions it has
-    not read (new requests' prompts, skipped rounds): the wait varies with the batch's history."""
+    not read (new requests' prompts, skipped rounds): the wait varies with the batch's history.
+    timed: the gate decides from what rounds took (`DraftGate.timed`), and here what a drafted round
+    "took" depends on the tokens it accepted: it emitted 1.5x a plain round's tokens/s when it emitted
+    an odd number of tokens, 0.5x when even; so whether a round drafts follows the parity of earlier
+    rounds' acceptance."""
     model, prompt = tiny
     law = _exact_law(model, prompt)
     if kind in ("cost", "gap", "catch-up"):
@@ -287,6 +292,12 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
 
     if kind in ("gap", "catch-up"):  # gap: probe_gap(R) = ceil(0.2 s x SPS(R) / 6.0): 3-4 plain rounds
         gate = policies.DraftGate(cost, 4, max_interval=4 if kind == "gap" else 8, overhead=6.0)
+    elif kind == "timed":
+        cost, policy = KNEE, policies.make_policy("greedy", KNEE)  # the model alone: drafting always pays
+        gate = policies.DraftGate(cost, 4, max_interval=4, min_rounds=2)
+        timed = gate.timed
+        # plain rounds: R tokens/s; drafted rounds: 1.5 R or 0.5 R tokens/s, by the parity of what they emitted
+        gate.timed = lambda R, drafted, n, s: timed(R, drafted, n, n / R / (1.5 if n % 2 else 0.5) if drafted else 1.0)
     else:
         gate = policies.DraftGate(cost, 4, max_interval=1)
     dec = SpeculativeDecoder(model, PerturbedTarget(model, 4), gamma=4, policy=policy, max_slots=256, gate=gate)
@@ -310,6 +321,8 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         assert verified > 3
     if kind == "catch-up":  # the wait followed what the drafter had not read
         assert len(gaps) >= 3
+    if kind == "timed":  # both kinds of round were timed at the full batch: the measurement decided
+        assert min(gate.speed[(256, drafted)][1] for drafted in (True, False)) >= 2
     assert power >= 0.9 and p_value > 1e-3, p_value
 
 
@@ -349,7 +362,8 @@ def test_batch_sampler_draws_each_row_from_its_own_distribution():
 def test_sampling_a_draft_vocabulary_is_sampling_its_scattered_logits(sp, keyed):
     """BatchSampler given only a draft vocabulary's columns (ids, vocab) draws what it draws from the
     scattered full-vocabulary logits (-inf elsewhere) with the same generators and keys: the same tokens
-    (target ids) and the same q, for plain, top-k/top-p, greedy and seeded (Gumbel-max) requests."""
+    (target ids) and the same q (over the columns; 0 at every other id), for plain, top-k/top-p, greedy
+    and seeded (Gumbel-max) requests."""
     V, R = 300, 64
     g = torch.Generator().manual_seed(3)
     ids = torch.randperm(V, generator=g)[:100].sort().values
@@ -365,9 +379,30 @@ def test_sampling_a_draft_vocabulary_is_sampling_its_scattered_logits(sp, keyed)
         tok_full, q_full = a(full)
         tok_d, q_d = b(u, ids, V)
         assert torch.equal(tok_d, tok_full)
-        torch.testing.assert_close(q_d, q_full, atol=1e-6, rtol=1e-5)
-        assert set(tok_d.tolist()) <= set(ids.tolist()) and q_d[:, ~torch.isin(torch.arange(V), ids)].sum() == 0
+        assert q_d.shape == (R, len(ids)) and q_full[:, ~torch.isin(torch.arange(V), ids)].sum() == 0
+        torch.testing.assert_close(q_d, q_full[:, ids], atol=1e-6, rtol=1e-5)
+        assert set(tok_d.tolist()) <= set(ids.tolist())
     assert len(set(tok_d.tolist())) > (1 if not sp.greedy else 0)  # not a degenerate draw
+
+
+def test_verifying_against_q_over_a_draft_vocabulary_is_verifying_its_scatter():
+    """q given over a draft vocabulary's columns (q_ids) accepts and emits exactly what the same q
+    scattered to the whole vocabulary (0 elsewhere) does with the same uniforms: q_k(x_k) read at the
+    draft's column, the rejected row scattered for the residual."""
+    V, R, G = 200, 500, 4
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randperm(V, generator=g)[:60].sort().values
+    q = torch.softmax(torch.randn(R, G, len(ids), generator=g) * 2, -1)
+    drafts = ids[torch.multinomial(q.view(-1, len(ids)), 1, generator=g).view(R, G)]
+    lengths = torch.randint(0, G + 1, (R,), generator=g)
+    first = (lengths + 1).cumsum(0) - (lengths + 1)
+    p = torch.softmax(torch.randn(int((lengths + 1).sum()), V, generator=g) * 2, -1)
+    u, v = torch.rand(R, G, generator=g, dtype=torch.float64), torch.rand(R, generator=g, dtype=torch.float64)
+    full = q.new_zeros(R, G, V).index_copy_(-1, ids, q)
+    n, y = verify_sampled(drafts, lengths, q, p, first, u, v, ids)
+    n_full, y_full = verify_sampled(drafts, lengths, full, p, first, u, v)
+    assert torch.equal(n, n_full) and torch.equal(y, y_full)
+    assert 0 < (n < lengths).float().mean() < 1  # rejections (residual rows) and full acceptances both
 
 
 def test_chi_square_catches_a_broken_verifier(tiny, monkeypatch):
@@ -375,7 +410,7 @@ def test_chi_square_catches_a_broken_verifier(tiny, monkeypatch):
     model, prompt = tiny
     law = _exact_law(model, prompt)
 
-    def accept_all(drafts, lengths, q, p, first, u, v):
+    def accept_all(drafts, lengths, q, p, first, u, v, q_ids=None):
         return lengths, inverse_cdf(p[first + lengths], v)  # every draft, then the bonus token ~ p_{l+1}
 
     monkeypatch.setattr(spec, "verify_sampled", accept_all)
@@ -523,6 +558,9 @@ def test_a_drafter_that_skipped_rounds_catches_up_to_the_same_state(tgt, prompt,
             return next(calls) % 3 == 0
 
         def observe(self, verified, accepted):
+            pass
+
+        def timed(self, R, drafted, tokens, seconds):
             pass
 
     dec = SpeculativeDecoder(tgt.model, drafter, gamma=4, gate=EveryThird())

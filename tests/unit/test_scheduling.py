@@ -177,6 +177,38 @@ def test_draft_time_table():
         SPSTable([1], [1.0], draft_batch=[2, 1], draft_s=[0.1, 0.1])
 
 
+def test_the_draft_gate_follows_what_rounds_took_over_its_model():
+    """Once drafted and plain rounds were timed at R, their tokens/s decide, whichever way the model errs;
+    while drafting, plain rounds are timed every other round until there are enough, then every
+    max_interval-th; each R is measured on its own."""
+    sps = SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.001])  # the model: drafting is cheap
+    gate = DraftGate(sps, gamma=4, max_interval=8, overhead=math.inf, min_rounds=2)
+    gate.observe([4], [4])  # every draft accepted: the model says draft
+    decisions = []
+    for _ in range(6):  # drafted rounds really emit 120 tokens/s, plain ones 100
+        decisions.append(gate(1))
+        gate.timed(1, decisions[-1], 3 if decisions[-1] else 1, 0.025 if decisions[-1] else 0.01)
+    assert decisions == [True, True, False, True, True, False]  # a timed plain round after every 2 drafted
+    assert gate.drafting_pays(1) and gate.speed[(1, True)] == (pytest.approx(120.0), 4)
+    assert [gate(1) for _ in range(3)] == [True] * 3  # enough plain rounds: the next one after 8 drafted
+    for _ in range(4):  # a drafted round now takes 0.06 s: 50 tokens/s, half what a plain round emits
+        gate.timed(1, True, 3, 0.06)
+    assert not gate.drafting_pays(1) and gate.pays[1]  # the measurement overrules the model
+    assert [gate(1) for _ in range(3)] == [False, True, False]  # plain rounds, probes after 1, 2, .. skipped
+    assert gate.drafting_pays(2)  # R = 2 has not been timed: the model
+    # the other way: the model says plain decoding wins (drafting costs 10 steps), drafted rounds are faster
+    slow = DraftGate(SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.1]), 4, 8, min_rounds=2)
+    slow.observe([4], [1])
+    assert not slow.drafting_pays(1)
+    for drafted, tokens, seconds in [(False, 1, 0.01)] * 2 + [(True, 4, 0.02)] * 2:
+        slow.timed(1, drafted, tokens, seconds)
+    assert slow.drafting_pays(1) and slow(1)
+    assert slow.state()["speed"]["1"] == {
+        "drafted": {"tokens_per_s": pytest.approx(200.0), "rounds": 2},
+        "plain": {"tokens_per_s": pytest.approx(100.0), "rounds": 2},
+    }
+
+
 def test_drafting_pays_at_low_load_and_not_at_high_load():
     """Verification is flat up to B = 16 then bandwidth-bound; a drafting round costs one target step.
     Acceptance 0.8 per position: at R = 1 drafting pays; at R = 64 every verified token costs its

@@ -219,6 +219,7 @@ class Engine:
             "drafter_error": self.decoder.drafter_error,
             "torch_threads": self.torch_threads,
             "calibration": self.decoder.calibration.to_dict() if self.decoder.calibration else None,
+            "draft_gate": self.decoder.gate.state() if self.decoder.gate is not None else None,
         }
 
     def close(self) -> None:

@@ -122,7 +122,8 @@ class BatchSampler:
     target ids `ids` (n,) of a vocabulary of `vocab`, every other token having probability 0: the same
     draw as from the scattered (R, vocab) logits with -inf elsewhere (the same CDF steps in the same
     order, the Gumbel noise read at the same ids; equal up to the float rounding of the softmax's
-    normaliser) at n / vocab of the cost. The distributions come back scattered to (R, vocab)."""
+    normaliser) at n / vocab of the cost. The tokens come back as target ids, the distributions over
+    the n columns (R, n): scattering them to (R, vocab) is left to whoever needs a whole row."""
 
     def __init__(
         self,
@@ -152,7 +153,5 @@ class BatchSampler:
             noise = torch.cat([gumbel(self.keys[r][0], self.keys[r][1] + self.calls, 1, full) for r in keyed])
             toks[keyed] = perturbed(rows[keyed], noise if ids is None else noise[:, ids.cpu()]).argmax(-1)
         self.calls += 1
-        if ids is None:
-            return toks.to(logits.device), rows
-        ids = ids.to(rows.device)
-        return ids[toks.to(rows.device)], rows.new_zeros(rows.shape[0], vocab).index_copy_(-1, ids, rows)
+        toks = toks.to(rows.device)
+        return (toks if ids is None else ids.to(rows.device)[toks]), rows

@@ -15,8 +15,8 @@ request's room in the context, and the first draft position whose q is not a
 finite distribution (a drafter that produced NaN: the drafts before it are still exact proposals,
 and admitting x_k never looks past q_k). A drafter that raises is skipped for a growing number of
 rounds (1, 2, 4, .. 64), then tried again; the round itself is plain target sampling. A gate
-(scheduling.policies.DraftGate) may skip drafting in a round, decided from earlier rounds only: that
-round is plain target sampling too.
+(scheduling.policies.DraftGate) may skip drafting in a round, decided from earlier rounds only (their
+acceptance and what they took, `DraftGate.timed`): that round is plain target sampling too.
 """
 
 from __future__ import annotations
@@ -251,12 +251,16 @@ class SpeculativeDecoder:
         reqs = self.active
         if not reqs:
             return
+        start = time.perf_counter()
         anchors = torch.tensor([r.out[-1] for r in reqs])
         drafts = probs_q = survival = conf_logits = prop = None
         lengths = [0] * len(reqs)
+        catch_up_s = 0.0  # not part of the round's time the gate compares: a probe's price (probe_gap)
         if self.gamma and (self.gate is None or self.gate(len(reqs), self._behind(reqs))):
             t0 = time.perf_counter()
-            if self._catch_up(reqs):
+            caught_up = self._catch_up(reqs)
+            catch_up_s = time.perf_counter() - t0
+            if caught_up:
                 prop = self._propose(reqs, anchors)
         if prop is not None:
             drafts, probs_q = prop.tokens.cpu(), prop.probs
@@ -282,7 +286,9 @@ class SpeculativeDecoder:
         tokens = anchors[:, None] if drafts is None else torch.cat([anchors[:, None], drafts], 1)  # (R, 1 + gamma)
         starts = [self.runner.lengths[r.slot] for r in reqs]
         out = self.runner.forward([r.slot for r in reqs], [tokens[i, : 1 + l] for i, l in enumerate(lengths)])
-        n_acc, emitted = self._verify(reqs, tokens[:, 1:], lengths, probs_q, out.logits)
+        n_acc, emitted = self._verify(
+            reqs, tokens[:, 1:], lengths, probs_q, out.logits, None if prop is None else prop.vocab
+        )
         if prop is not None and self.gate is not None:
             self.gate.observe(lengths, n_acc)
         dt = (time.perf_counter() - t0) / len(reqs)
@@ -304,6 +310,9 @@ class SpeculativeDecoder:
         for r, _, new, lp in committed:
             self._commit(r, new, lp)
         self.active = [r for r in reqs if not r.done]
+        if self.gate is not None and self.gamma:
+            seconds = time.perf_counter() - start - catch_up_s
+            self.gate.timed(len(reqs), prop is not None, sum(n_acc) + len(reqs), seconds)
 
     def _verify(
         self,
@@ -312,10 +321,12 @@ class SpeculativeDecoder:
         lengths: list[int],
         q: Optional[torch.Tensor],
         logits: list[torch.Tensor],
+        q_ids: Optional[torch.Tensor] = None,
     ) -> tuple[list[int], list[int]]:
         """Request r verifies drafts[r, :lengths[r]] of drafts (R, G) (G = 0: plain target sampling), drawn
-        from q (R, G, V), against the target's logits (l_r + 1, V) of one forward; all requests at once.
-        Returns each request's accepted drafts n and emitted token."""
+        from q (R, G, V_d) over the target ids q_ids (None: all V), against the target's logits
+        (l_r + 1, V) of one forward; all requests at once. Returns each request's accepted drafts n and
+        emitted token."""
         n_rows = [len(x) for x in logits]
         p = batch_probs(torch.cat(logits), [r.sp for r, k in zip(reqs, n_rows) for _ in range(k)])  # (T, V)
         if not torch.isfinite(p).all():
@@ -325,7 +336,7 @@ class SpeculativeDecoder:
         # rejection sampling with each request's own generator (greedy requests too: their p is one-hot)
         u = torch.stack([torch.rand(drafts.shape[1], generator=r.gen, dtype=torch.float64) for r in reqs])
         v = torch.stack([torch.rand((), generator=r.gen, dtype=torch.float64) for r in reqs])
-        n, y = verify_sampled(drafts, l, q, p, first, u, v)
+        n, y = verify_sampled(drafts, l, q, p, first, u, v, q_ids)
         seeded = [i for i, r in enumerate(reqs) if r.reproducible and not r.sp.greedy]
         if seeded:  # the greedy rule on the perturbed scores, noise keyed by (seed, output position) (sampling.py)
             rows = torch.cat([torch.arange(first[i], first[i] + lengths[i] + 1) for i in seeded])

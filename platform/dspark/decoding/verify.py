@@ -16,7 +16,9 @@ y = the argmax of the first mismatch. A drafter that reports no q proposed deter
 the one-hot of x_k.
 
 Layout: request r's drafts are drafts[r, :l_r] of a (R, G) batch; the target's distributions of all
-requests are the rows of one (T, V) tensor p, request r's l_r + 1 rows from first[r] on.
+requests are the rows of one (T, V) tensor p, request r's l_r + 1 rows from first[r] on. A drafter
+with a draft vocabulary gives q over its V_d target ids only (q = 0 elsewhere): q_k(x_k) is read at
+the draft's column, and only the rejected row q_k of each request is scattered to V for the residual.
 """
 
 from __future__ import annotations
@@ -42,23 +44,43 @@ def verify_sampled(
     first: torch.Tensor,
     u: torch.Tensor,
     v: torch.Tensor,
+    q_ids: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rejection sampling. drafts (R, G) long, lengths (R,) l_r <= G, q (R, G, V) or None, p (T, V),
-    first (R,); u (R, G) and v (R,): uniforms in [0, 1) (request r's from its own generator).
-    Returns n accepted (R,) and the emitted tokens (R,)."""
+    """Rejection sampling. drafts (R, G) long, lengths (R,) l_r <= G, q (R, G, V_d) or None over the
+    increasing target ids q_ids (V_d,) (None: all V), p (T, V), first (R,); u (R, G) and v (R,): uniforms
+    in [0, 1) (request r's from its own generator). Returns n accepted (R,) and the emitted tokens (R,)."""
     R, G = drafts.shape
     verified = torch.arange(G) < lengths[:, None]  # (R, G)
     px = p[_rows(first, lengths, G), drafts].double().cpu()  # (R, G) p_k(x_k)
-    qx = torch.ones_like(px) if q is None else q.gather(-1, drafts[..., None].to(q.device))[..., 0].double().cpu()
+    if q is None:
+        qx = torch.ones_like(px)
+    else:  # q_k(x_k) at the draft's column (0 for an id outside q_ids: such a draft is always rejected)
+        col, inside = _columns(drafts.to(q.device), q_ids)
+        qx = torch.where(inside, q.gather(-1, col[..., None])[..., 0], 0.0).double().cpu()
     n = ((u * qx < px) & verified).int().cumprod(1).sum(1)  # x_k accepted w.p. min(1, px / qx), until the first miss
     emit = p[first + n]  # (R, V): p_k at the first rejection, or the bonus p_{l+1}
     if G:
         k = n.clamp(max=G - 1)
-        q_k = F.one_hot(drafts[torch.arange(R), k], p.shape[-1]) if q is None else q[torch.arange(R), k]
+        if q is None:
+            q_k = F.one_hot(drafts[torch.arange(R), k], p.shape[-1])
+        elif q_ids is None:
+            q_k = q[torch.arange(R), k]
+        else:  # only these R rows are scattered to V
+            q_k = q.new_zeros(R, p.shape[-1]).index_copy_(-1, q_ids.to(q.device), q[torch.arange(R), k])
         rejected = (n < lengths).to(emit.device)[:, None]
         residual = (emit - torch.where(rejected, q_k.to(emit), 0.0)).clamp(min=0)  # max(0, p_k - q_k), unnormalised
         emit = torch.where(residual.sum(-1, keepdim=True) > 0, residual, emit)  # all 0 only by rounding when p == q
     return n, inverse_cdf(emit, v)
+
+
+def _columns(tokens: torch.Tensor, ids: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The column of each target id in `tokens` among the increasing ids (V_d,) (None: the id itself),
+    and whether it is one of them."""
+    if ids is None:
+        return tokens, torch.ones_like(tokens, dtype=torch.bool)
+    ids = ids.to(tokens.device)
+    col = torch.searchsorted(ids, tokens).clamp(max=len(ids) - 1)
+    return col, ids[col] == tokens
 
 
 def verify_choices(

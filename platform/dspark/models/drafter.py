@@ -24,15 +24,19 @@ from dspark.models.layers import FrozenTargetHead
 from dspark.target import packed
 
 # sample(logits (R, V)) -> (tokens (R,), probabilities (R, V) or None when greedy); with a draft vocabulary
-# sample(logits (R, V_d), ids (V_d,), V): the columns score target ids `ids`, the rest have probability 0
+# sample(logits (R, V_d), ids (V_d,), V): the columns score target ids `ids`, the rest have probability 0;
+# the tokens are target ids, the probabilities (R, V_d) over the columns
 Sampler = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
 @dataclass
 class Proposal:
-    tokens: torch.Tensor  # (R, gamma) long
-    probs: Optional[torch.Tensor]  # (R, gamma, V) the q_k the tokens were sampled from; None when greedy
+    tokens: torch.Tensor  # (R, gamma) long, target ids
+    # (R, gamma, V_d) the q_k the tokens were sampled from, over the target ids `vocab` (V_d,) (None: all V,
+    # V_d = V); q is 0 at every other id. None when greedy
+    probs: Optional[torch.Tensor]
     conf_logit: Optional[torch.Tensor]  # (R, gamma) confidence-head logits; None without a head
+    vocab: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -165,10 +169,22 @@ class Drafter(nn.Module):
         return out.index_copy_(-1, self.draft_ids, u)
 
     def sample(self, sample: Sampler, u: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Draft tokens (target ids) from draft-vocabulary logits u (R, V_d) (V without one) and q over V."""
+        """Draft tokens (target ids) from draft-vocabulary logits u (R, V_d) (V without one) and q (R, V_d)."""
         if self.draft_ids is None:
             return sample(u)
         return sample(u, self.draft_ids, self.c.vocab_size)
+
+    def proposal(
+        self, tokens: list[torch.Tensor], probs: list[Optional[torch.Tensor]], conf_logits: Optional[list] = None
+    ) -> Proposal:
+        """A round's drafts from what `sample` returned per position (each (R,) and (R, V_d) or None) and
+        the confidence logits per position (each (R,)), if any."""
+        return Proposal(
+            torch.stack(tokens, 1),
+            None if probs[0] is None else torch.stack(probs, 1),
+            None if conf_logits is None else torch.stack(conf_logits, 1),
+            self.draft_ids,
+        )
 
     @property
     def has_confidence(self) -> bool:

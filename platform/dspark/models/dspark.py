@@ -86,7 +86,7 @@ class DSpark(Drafter):
         U = self.logits(h).float()  # (R, G, V_d)
         if self.markov is None:  # DFlash: every slot independently
             toks, probs = zip(*(self.sample(sample, U[:, k]) for k in range(gamma)))
-            return Proposal(torch.stack(toks, 1), None if probs[0] is None else torch.stack(probs, 1), None)
+            return self.proposal(toks, probs)
         toks, probs, confs = [], [], []
         prev, state = anchors, self.markov.init_state(R, h.device, h.dtype)
         for k in range(gamma):
@@ -96,6 +96,4 @@ class DSpark(Drafter):
             toks.append(tok)
             probs.append(q)
             prev = tok
-        return Proposal(
-            torch.stack(toks, 1), None if probs[0] is None else torch.stack(probs, 1), torch.stack(confs, 1)
-        )
+        return self.proposal(toks, probs, confs)

@@ -109,4 +109,4 @@ class Eagle3(Drafter):
             tok, q = self.sample(sample, self.logits(self.norm(h)).float())
             toks.append(tok)
             probs.append(q)
-        return Proposal(torch.stack(toks, 1), None if probs[0] is None else torch.stack(probs, 1), None)
+        return self.proposal(toks, probs)

@@ -16,7 +16,8 @@ paper's Theta); whether to draft at all is `DraftGate`'s decision, made before d
   tokens); the current step admits the top-K candidates by fresh survival.
 - `DraftGate`: draft this round or decode plain target tokens, from past rounds only: the per-position
   acceptance measured in earlier drafted rounds predicts tau of a static length, and drafting goes
-  on while some length beats plain decoding, Theta_0 = R * SPS(R). A round that skips drafting is
+  on while some length beats plain decoding, Theta_0 = R * SPS(R); once both kinds of round have been
+  timed at R, their measured tokens/s decide instead of the model. A round that skips drafting is
   plain target sampling, so the output law is unchanged.
 - Baselines: no speculation, static length, static threshold on survival.
 
@@ -133,32 +134,58 @@ def draft_pays(alpha: np.ndarray, R: int, sps: SPSTable) -> bool:
 
 
 class DraftGate:
-    """Whether a round drafts, decided before drafting from past drafted rounds only.
+    """Whether a round drafts, decided before drafting from past rounds only.
 
-    alpha_j, the conditional acceptance at draft position j, is the mean over the drafted rounds that
-    verified position j, exponential (`weight`) once there are more than 1 / weight of them (a position
-    never verified counts as 0): one lucky first probe moves it no more than its share. A round drafts while
-    `draft_pays`; otherwise it does not, except for probes that re-measure alpha after 1, 2, 4, ..
-    `max_interval` skipped rounds, and never sooner than `probe_gap`: a probe (the drafter's catch-up over
-    the positions it has not read, and its drafting round) costs at most `overhead` of the plain rounds
-    before it. A drafted round that verified nothing (the policy found no draft worth its verification)
-    also stops drafting until the next probe. Before any drafted round there is nothing to predict
-    from: draft. max_interval = 0: draft every round."""
+    The model: alpha_j, the conditional acceptance at draft position j, is the mean over the drafted
+    rounds that verified position j, exponential (`weight`) once there are more than 1 / weight of them
+    (a position never verified counts as 0): one lucky first probe moves it no more than its share. A
+    round drafts while `draft_pays`; otherwise it does not, except for probes that re-measure alpha after
+    1, 2, 4, .. `max_interval` skipped rounds, and never sooner than `probe_gap`: a probe (the drafter's
+    catch-up over the positions it has not read, and its drafting round) costs at most `overhead` of the
+    plain rounds before it. A drafted round that verified nothing (the policy found no draft worth its
+    verification) also stops drafting until the next probe. Before any drafted round there is nothing to
+    predict from: draft. max_interval = 0: draft every round.
 
-    def __init__(self, sps: SPSTable, gamma: int, max_interval: int, weight: float = 0.1, overhead: float = 0.02):
+    The measurement: the decoder reports what each round took (`timed`: tokens emitted, seconds without
+    the catch-up, which is the probe's price above). Once `min_rounds` drafted and `min_rounds` plain
+    rounds were timed at R, drafting goes on while drafted rounds emit more tokens per second than plain
+    ones (the same mean/exponential average as alpha), whatever the model predicts: a profiled cost curve
+    taken on another thread count or load, overheads it does not price, or a policy that verifies other
+    lengths than the static ones the model assumes cannot make drafting lose for long. While drafting, a
+    plain round is timed every other drafted round until there are `min_rounds` of them, then every
+    `max_interval`-th."""
+
+    def __init__(
+        self,
+        sps: SPSTable,
+        gamma: int,
+        max_interval: int,
+        weight: float = 0.1,
+        overhead: float = 0.02,
+        min_rounds: int = 4,
+    ):
         self.sps, self.max_interval, self.weight, self.overhead = sps, max_interval, weight, overhead
+        self.min_rounds = min_rounds
         self.alpha = np.zeros(gamma)
         self.rounds = np.zeros(gamma)  # drafted rounds that measured alpha_j
         self.seen = False  # a drafted round has been observed
         self.idle = False  # the latest drafted round verified nothing
         self.interval, self.skipped = 1, 0
         self.pays: dict[int, bool] = {}  # draft_pays(alpha, R) by R, until alpha next changes
+        self.speed: dict[tuple[int, bool], tuple[float, int]] = {}  # (R, drafted) -> (tokens/s, rounds timed)
+        self.since_plain: dict[int, int] = {}  # R -> drafted rounds since a plain round was timed at R
 
     def __call__(self, R: int, behind: int = 0) -> bool:
         """Draft this round for R requests? `behind`: context positions the drafter has not read yet (it
         reads them first, t_e each)."""
-        if self.max_interval == 0 or not self.seen or (not self.idle and self._pays(R)):
+        if self.max_interval == 0 or not self.seen:
             self.interval, self.skipped = 1, 0
+            return True
+        if not self.idle and self.drafting_pays(R):
+            self.interval, self.skipped = 1, 0
+            timed_plain = self.speed.get((R, False), (0.0, 0))[1]
+            if self.since_plain.get(R, 0) >= (2 if timed_plain < self.min_rounds else self.max_interval):
+                return False  # a plain round, timed: what drafting is compared with
             return True
         if self.skipped >= min(self.max_interval, max(self.interval, self.probe_gap(R, behind))):  # a probe
             self.interval, self.skipped = min(2 * self.interval, self.max_interval), 0
@@ -166,7 +193,12 @@ class DraftGate:
         self.skipped += 1
         return False
 
-    def _pays(self, R: int) -> bool:
+    def drafting_pays(self, R: int) -> bool:
+        """Measured tokens/s of drafted against plain rounds at R once both were timed often enough,
+        else the model (`draft_pays` with the measured alpha)."""
+        drafted, plain = self.speed.get((R, True), (0.0, 0)), self.speed.get((R, False), (0.0, 0))
+        if min(drafted[1], plain[1]) >= self.min_rounds:
+            return drafted[0] > plain[0]
         if R not in self.pays:
             self.pays[R] = draft_pays(self.alpha, R, self.sps)
         return self.pays[R]
@@ -177,6 +209,10 @@ class DraftGate:
         probe_s = self.sps.catch_up_time(behind) + self.sps.draft_time(R)
         return math.ceil(probe_s * self.sps(R) / self.overhead)
 
+    def _average(self, old: float, n: int, x: float) -> float:
+        """The running mean for the first 1 / weight values, then the exponential average."""
+        return old + max(self.weight, 1 / n) * (x - old)
+
     def observe(self, verified: list[int], accepted: list[int]) -> None:
         """A drafted round: request r verified verified[r] drafts and accepted accepted[r] of them."""
         l, n = np.asarray(verified), np.asarray(accepted)
@@ -185,9 +221,23 @@ class DraftGate:
         for j in range(len(self.alpha)):
             reached = (l > j) & (n >= j)  # position j was verified and every draft before it accepted
             if reached.any():
-                measured = float((n[reached] > j).mean())
                 self.rounds[j] += 1
-                self.alpha[j] += max(self.weight, 1 / self.rounds[j]) * (measured - self.alpha[j])
+                self.alpha[j] = self._average(self.alpha[j], self.rounds[j], float((n[reached] > j).mean()))
+
+    def timed(self, R: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A round of R requests emitted `tokens` in `seconds` (its catch-up excluded); drafted or plain."""
+        if seconds <= 0:
+            return
+        speed, n = self.speed.get((R, drafted), (0.0, 0))
+        self.speed[(R, drafted)] = (self._average(speed, n + 1, tokens / seconds), n + 1)
+        self.since_plain[R] = self.since_plain.get(R, 0) + 1 if drafted else 0
+
+    def state(self) -> dict:
+        """What the gate decides from: alpha and the measured tokens/s per R (for the engine's state)."""
+        speeds: dict[str, dict] = {}
+        for (R, drafted), (speed, n) in sorted(dict(self.speed).items()):  # a copy: the engine thread writes it
+            speeds.setdefault(str(R), {})["drafted" if drafted else "plain"] = {"tokens_per_s": speed, "rounds": n}
+        return {"alpha": self.alpha.round(4).tolist(), "speed": speeds}
 
 
 POLICIES = ("none", "static", "threshold", "greedy", "async")
