@@ -155,15 +155,7 @@ class DraftGate:
     plain round is timed every other drafted round until there are `min_rounds` of them, then every
     `max_interval`-th."""
 
-    def __init__(
-        self,
-        sps: SPSTable,
-        gamma: int,
-        max_interval: int,
-        weight: float = 0.1,
-        overhead: float = 0.02,
-        min_rounds: int = 4,
-    ):
+    def __init__(self, sps: SPSTable, gamma: int, max_interval: int, weight=0.1, overhead=0.02, min_rounds=4):
         self.sps, self.max_interval, self.weight, self.overhead = sps, max_interval, weight, overhead
         self.min_rounds = min_rounds
         self.alpha = np.zeros(gamma)
