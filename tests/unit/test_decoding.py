@@ -172,7 +172,7 @@ class PerturbedTarget(Drafter):
             qs.append(q)
             ctxs = [c + (int(t),) for c, t in zip(ctxs, tok)]
             prev = tok
-        return self.proposal(toks, qs, confs)
+        return self.proposal(toks, qs, torch.stack(confs, 1))
 
 
 def _exact_law(model, prompt):

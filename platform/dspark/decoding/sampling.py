@@ -45,7 +45,9 @@ def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     if sp.greedy:
         return torch.nn.functional.one_hot(z.argmax(-1), z.shape[-1]).float()
     # subtract the max BEFORE dividing: a tiny T then sends the others to -inf instead of inf - inf = NaN
-    z = (z - z.max(-1, keepdim=True).values) / sp.temperature
+    z = z - z.max(-1, keepdim=True).values
+    if sp.temperature != 1.0:
+        z = z / sp.temperature
     if sp.top_k and sp.top_k < z.shape[-1]:
         kth = z.topk(sp.top_k, -1).values[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))
@@ -144,11 +146,14 @@ class BatchSampler:
         # request's generator advances the same way whichever rows are keyed
         u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in self.generators])  # (R,)
         keyed = [r for r, key in enumerate(self.keys) if key is not None and not self.params[r].greedy]
-        plain = [r for r in range(len(self.params)) if r not in set(keyed)]
-        toks = torch.zeros(len(self.params), dtype=torch.long)
-        if plain:
-            toks[plain] = inverse_cdf(rows[plain], u[plain])
-        if keyed:  # Gumbel-max with the noise of each keyed request's output position (at the given ids)
+        if not keyed:  # the usual round: every row by its uniform, none picked out
+            toks = inverse_cdf(rows, u)
+        else:
+            plain = [r for r in range(len(self.params)) if r not in set(keyed)]
+            toks = torch.zeros(len(self.params), dtype=torch.long)
+            if plain:
+                toks[plain] = inverse_cdf(rows[plain], u[plain])
+            # Gumbel-max with the noise of each keyed request's output position (at the given ids)
             full = vocab if ids is not None else rows.shape[-1]
             noise = torch.cat([gumbel(self.keys[r][0], self.keys[r][1] + self.calls, 1, full) for r in keyed])
             toks[keyed] = perturbed(rows[keyed], noise if ids is None else noise[:, ids.cpu()]).argmax(-1)

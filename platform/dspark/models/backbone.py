@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dspark.models.config import DrafterConfig
-from dspark.models.layers import ContextFusion, DraftLayer
+from dspark.models.layers import ContextFusion, DraftLayer, rotation
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -32,13 +32,15 @@ class ParallelBackbone(nn.Module):
     def context_kv(self, feats: torch.Tensor, pos: torch.Tensor) -> list[KV]:
         """feats: (B, C, m, d) tapped target layers at positions pos (B, C) -> per layer k/v (B, KVH, C, hd)."""
         ctx = self.fusion(feats)  # (B, C, d)
-        return [layer.project_kv(ctx, pos) for layer in self.layers]
+        rot = rotation(pos, self.c.head_dim, self.c.rope_theta)  # the same for every layer
+        return [layer.project_kv(ctx, pos, rot) for layer in self.layers]
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, ctx_kv: list[KV], ctx_mask: torch.Tensor, L: int):
         """x: (B, Q, d): Q / L blocks of L slot embeddings at pos (B, Q); ctx_mask (B, 1, Q, C) the context
         each slot sees (its own block it sees whole) -> final hidden (B, Q, d)."""
+        rot = rotation(pos, self.c.head_dim, self.c.rope_theta)
         for layer, kv in zip(self.layers, ctx_kv):
-            x, _ = layer(x, pos, kv, ctx_mask, block=L)
+            x, _ = layer(x, pos, kv, ctx_mask, block=L, rot=rot)
         return self.norm(x)
 
 

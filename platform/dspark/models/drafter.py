@@ -175,16 +175,12 @@ class Drafter(nn.Module):
         return sample(u, self.draft_ids, self.c.vocab_size)
 
     def proposal(
-        self, tokens: list[torch.Tensor], probs: list[Optional[torch.Tensor]], conf_logits: Optional[list] = None
+        self, tokens: list[torch.Tensor], probs: list[Optional[torch.Tensor]], conf_logit: Optional[torch.Tensor] = None
     ) -> Proposal:
         """A round's drafts from what `sample` returned per position (each (R,) and (R, V_d) or None) and
-        the confidence logits per position (each (R,)), if any."""
-        return Proposal(
-            torch.stack(tokens, 1),
-            None if probs[0] is None else torch.stack(probs, 1),
-            None if conf_logits is None else torch.stack(conf_logits, 1),
-            self.draft_ids,
-        )
+        the confidence logits (R, gamma), if any."""
+        q = None if probs[0] is None else torch.stack(probs, 1)
+        return Proposal(torch.stack(tokens, 1), q, conf_logit, self.draft_ids)
 
     @property
     def has_confidence(self) -> bool:

@@ -87,13 +87,14 @@ class DSpark(Drafter):
         if self.markov is None:  # DFlash: every slot independently
             toks, probs = zip(*(self.sample(sample, U[:, k]) for k in range(gamma)))
             return self.proposal(toks, probs)
-        toks, probs, confs = [], [], []
+        toks, probs, es = [], [], []
         prev, state = anchors, self.markov.init_state(R, h.device, h.dtype)
-        for k in range(gamma):
+        for k in range(gamma):  # only what x_k needs is sequential
             bias, e, state = self.markov.step(h[:, k], prev, state)
             tok, q = self.sample(sample, U[:, k] + bias.float())
-            confs.append(self.confidence(h[:, k], e).float())
             toks.append(tok)
             probs.append(q)
+            es.append(e)
             prev = tok
-        return self.proposal(toks, probs, confs)
+        conf = self.confidence(h, torch.stack(es, 1)).float()  # (R, G): every slot's c_k in one call
+        return self.proposal(toks, probs, conf)

@@ -22,14 +22,21 @@ class ContextFusion(nn.Module):
         return self.norm(self.proj(feats.flatten(-2)))
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding at absolute positions. x: (B, T, H, hd), pos: (B, T)."""
-    hd = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))  # (hd/2,)
-    ang = pos.to(torch.float32)[..., None] * inv  # (B, T, hd/2)
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, :, None].to(x.dtype)  # (B, T, 1, hd)
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, :, None].to(x.dtype)
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+Rotation = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (B, T, 1, hd)
+
+
+def rotation(pos: torch.Tensor, hd: int, theta: float) -> Rotation:
+    """The rotary embedding's float32 cos/sin at absolute positions pos (B, T): computed once for the
+    queries and keys of every layer that reads these positions."""
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, device=pos.device, dtype=torch.float32) / hd))  # (hd/2,)
+    ang = (pos.to(torch.float32)[..., None] * inv).repeat(1, 1, 2)[:, :, None]  # (B, T, 1, hd)
+    return ang.cos(), ang.sin()
+
+
+def rope(x: torch.Tensor, rot: Rotation) -> torch.Tensor:
+    """Rotary embedding. x: (B, T, H, hd), rot: `rotation` at its positions (applied in x's dtype)."""
+    cos, sin = (t.to(x.dtype) for t in rot)
+    x1, x2 = x.chunk(2, -1)
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
@@ -81,12 +88,16 @@ class DraftLayer(nn.Module):
         self.up = nn.Linear(d, c.intermediate_size, bias=False)
         self.down = nn.Linear(c.intermediate_size, d, bias=False)
 
-    def project_kv(self, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h: (B, T, d) already normalised -> k, v: (B, KVH, T, hd), RoPE applied to k."""
+    def project_kv(
+        self, h: torch.Tensor, pos: torch.Tensor, rot: Rotation | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: (B, T, d) already normalised -> k, v: (B, KVH, T, hd), RoPE applied to k (`rot`: its cos/sin
+        at pos, when the caller has them)."""
         B, T, _ = h.shape
         k = self.k_norm(self.k_proj(h).view(B, T, self.c.num_kv_heads, self.c.head_dim))
         v = self.v_proj(h).view(B, T, self.c.num_kv_heads, self.c.head_dim)
-        return rope(k, pos, self.c.rope_theta).transpose(1, 2), v.transpose(1, 2)
+        rot = rot or rotation(pos, self.c.head_dim, self.c.rope_theta)
+        return rope(k, rot).transpose(1, 2), v.transpose(1, 2)
 
     def forward(
         self,
@@ -96,17 +107,19 @@ class DraftLayer(nn.Module):
         mask: torch.Tensor | None,
         attn_in: torch.Tensor | None = None,
         block: int = 0,
+        rot: Rotation | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x: (B, Q, d) the residual stream at positions pos (B, Q); prefix k/v: (B, KVH, P, hd); mask:
         (B, 1, Q, P+Q) bool, True = visible (None = all visible); attn_in: (B, Q, attn_width·d) what q/k/v
         read (default input_norm(x)). block > 0: the queries are Q / block blocks of `block` tokens, each
-        seeing its own block whole and the prefix where mask (B, 1, Q, P) allows (block_attention).
-        Returns (B, Q, d) and this call's own k/v."""
+        seeing its own block whole and the prefix where mask (B, 1, Q, P) allows (block_attention). rot: the
+        rotation at pos, when the caller shares it between layers. Returns (B, Q, d) and this call's own k/v."""
         B, Q, _ = x.shape
         h = self.input_norm(x) if attn_in is None else attn_in
         q = self.q_norm(self.q_proj(h).view(B, Q, self.c.num_heads, self.c.head_dim))
-        q = rope(q, pos, self.c.rope_theta).transpose(1, 2)  # (B, H, Q, hd)
-        k, v = self.project_kv(h, pos)  # (B, KVH, Q, hd)
+        rot = rot or rotation(pos, self.c.head_dim, self.c.rope_theta)
+        q = rope(q, rot).transpose(1, 2)  # (B, H, Q, hd)
+        k, v = self.project_kv(h, pos, rot)  # (B, KVH, Q, hd)
         if block:
             a = block_attention(q, prefix, mask, k, v, block)
         else:
