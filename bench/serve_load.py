@@ -25,7 +25,8 @@ tokens can round a near-tie the other way), and tokens/s compares speed.
 --repeats N measures every point N times, the modes in a rotated order each time (so a slow spell of
 the machine does not fall on one mode); tables give medians, and the adaptive/best-fixed ratio is
 taken within each repeat. Writes results.json, a table and a throughput vs per-user speed PNG (the
-paper's Fig. 7 axes).
+paper's Fig. 7 axes), and gates.json: what each adaptive mode's draft gate measured (tokens/s of its
+drafted and of its plain rounds at each number of requests, over the whole run), printed as [gate] lines.
 """
 
 from __future__ import annotations
@@ -283,7 +284,16 @@ def main(argv=None):
             finally:
                 if proc is not None:
                     stop_vllm(proc)
+    # what each adaptive mode's draft gate measured over the run: tokens/s of drafted and plain rounds per R
+    gates = {m: httpx.get(urls[m] + "/v1/engine", timeout=30).json().get("draft_gate") for m in modes}
     serve.shutdown()
+    for mode, gate in gates.items():
+        for R, speed in (gate or {}).get("speed", {}).items():
+            print(
+                f"[gate] {mode}, R={R}: "
+                + ", ".join(f"{k} {v['tokens_per_s']:.1f} tok/s over {v['rounds']} rounds" for k, v in speed.items())
+            )
+    (out / "gates.json").write_text(json.dumps(gates, indent=1) + "\n")
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     med = {m: {c: median_row(rs) for c, rs in rows.items()} for m, rows in results.items()}
     print(
