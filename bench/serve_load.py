@@ -284,8 +284,14 @@ def main(argv=None):
             finally:
                 if proc is not None:
                     stop_vllm(proc)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     # what each adaptive mode's draft gate measured over the run: tokens/s of drafted and plain rounds per R
-    gates = {m: httpx.get(urls[m] + "/v1/engine", timeout=30).json().get("draft_gate") for m in modes}
+    gates = {}
+    for m in modes:
+        try:
+            gates[m] = httpx.get(urls[m] + "/v1/engine", timeout=30).json().get("draft_gate")
+        except httpx.HTTPError as e:
+            gates[m] = {"error": str(e)}
     serve.shutdown()
     for mode, gate in gates.items():
         for R, speed in (gate or {}).get("speed", {}).items():
@@ -294,7 +300,6 @@ def main(argv=None):
                 + ", ".join(f"{k} {v['tokens_per_s']:.1f} tok/s over {v['rounds']} rounds" for k, v in speed.items())
             )
     (out / "gates.json").write_text(json.dumps(gates, indent=1) + "\n")
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     med = {m: {c: median_row(rs) for c, rs in rows.items()} for m, rows in results.items()}
     print(
         f"\nmedians over {args.repeats} repeat(s)"

@@ -274,9 +274,9 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     catch-up: as gap, but the probe's price is mostly the drafter's catch-up over the positions it has
     not read (new requests' prompts, skipped rounds): the wait varies with the batch's history.
     timed: the gate decides from what rounds took (`DraftGate.timed`), and here what a drafted round
-    "took" depends on the tokens it accepted: it emitted 1.5x a plain round's tokens/s when it emitted
-    an odd number of tokens, 0.5x when even; so whether a round drafts follows the parity of earlier
-    rounds' acceptance."""
+    "took" depends on the tokens it accepted: half a plain round's time per token when it emitted an odd
+    number of tokens, 1.5x when even; so whether a round drafts follows the parity of earlier rounds'
+    acceptance."""
     model, prompt = tiny
     law = _exact_law(model, prompt)
     if kind in ("cost", "gap", "catch-up"):
@@ -296,10 +296,12 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         cost, policy = KNEE, policies.make_policy("greedy", KNEE)  # the model alone: drafting always pays
         gate = policies.DraftGate(cost, 4, max_interval=4, min_rounds=2)
         timed = gate.timed
-        # plain rounds: R tokens/s; drafted rounds: 1.5 R or 0.5 R tokens/s, by the parity of what they emitted
-        gate.timed = lambda R, drafted, n, s: timed(R, drafted, n, n / R / (1.5 if n % 2 else 0.5) if drafted else 1.0)
+        # plain rounds: 1 s for R tokens; drafted: 0.5 or 1.5 s per R tokens, by the parity of what they emitted
+        gate.timed = lambda R, drafted, n, s: timed(R, drafted, n, n / R * (0.5 if n % 2 else 1.5) if drafted else 1.0)
     else:
         gate = policies.DraftGate(cost, 4, max_interval=1)
+    if kind != "timed":  # the model's decisions alone: the wall clock must not steer a test
+        gate.timed = lambda R, drafted, tokens, seconds: None
     dec = SpeculativeDecoder(model, PerturbedTarget(model, 4), gamma=4, policy=policy, max_slots=256, gate=gate)
     behind = []  # what the gate was told before each round: positions the drafter had not read
     dec._behind = lambda reqs: behind.append(SpeculativeDecoder._behind(reqs)) or behind[-1]
@@ -322,7 +324,7 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     if kind == "catch-up":  # the wait followed what the drafter had not read
         assert len(gaps) >= 3
     if kind == "timed":  # both kinds of round were timed at the full batch: the measurement decided
-        assert min(gate.speed[(256, drafted)][1] for drafted in (True, False)) >= 2
+        assert min(gate.speed(256, drafted)[1] for drafted in (True, False)) >= 2
     assert power >= 0.9 and p_value > 1e-3, p_value
 
 

@@ -229,6 +229,8 @@ def test_a_draft_vocabulary_is_saved_with_the_weights(tgt, tmp_path):
     assert torch.equal(props[0].tokens, props[1].tokens) and torch.equal(props[0].probs, props[1].probs)
     assert torch.isin(props[0].tokens, torch.tensor(DRAFT_IDS)).all()
     assert props[0].vocab.tolist() == DRAFT_IDS and props[0].probs.shape[-1] == len(DRAFT_IDS)  # q over V_d
+    with pytest.raises(UserError, match="strictly increasing"):  # verification looks the drafts up in order
+        loaded.set_draft_vocab(torch.tensor(DRAFT_IDS[::-1]))
 
 
 def test_train_bf16_on_a_cpu_is_autocast_only_where_bf16_is_native(tgt, monkeypatch):

@@ -189,7 +189,7 @@ def test_the_draft_gate_follows_what_rounds_took_over_its_model():
         decisions.append(gate(1))
         gate.timed(1, decisions[-1], 3 if decisions[-1] else 1, 0.025 if decisions[-1] else 0.01)
     assert decisions == [True, True, False, True, True, False]  # a timed plain round after every 2 drafted
-    assert gate.drafting_pays(1) and gate.speed[(1, True)] == (pytest.approx(120.0), 4)
+    assert gate.drafting_pays(1) and gate.speed(1, True) == (pytest.approx(120.0), 4)
     assert [gate(1) for _ in range(3)] == [True] * 3  # enough plain rounds: the next one after 8 drafted
     for _ in range(4):  # a drafted round now takes 0.06 s: 50 tokens/s, half what a plain round emits
         gate.timed(1, True, 3, 0.06)

@@ -204,6 +204,11 @@ class SpeculativeDecoder:
         its room in the context (the anchor and l drafts are appended to its KV slot)."""
         return [max(0, min(self.gamma, self.max_len - self.runner.lengths[r.slot] - 1)) for r in reqs]
 
+    def _sync(self) -> None:
+        """Wait for the device's queued work, so that a clock read after it times it (CUDA is asynchronous)."""
+        if str(self.runner.device).startswith("cuda"):
+            torch.cuda.synchronize(self.runner.device)
+
     @staticmethod
     def _behind(reqs: list[Request]) -> int:
         """Context positions the drafter has not read yet, over all requests (fixed before drafting)."""
@@ -255,11 +260,15 @@ class SpeculativeDecoder:
         anchors = torch.tensor([r.out[-1] for r in reqs])
         drafts = probs_q = survival = conf_logits = prop = None
         lengths = [0] * len(reqs)
-        catch_up_s = 0.0  # not part of the round's time the gate compares: a probe's price (probe_gap)
+        probe_s = 0.0  # the catch-up beyond one drafted round's positions: a probe's price (probe_gap)
         if self.gamma and (self.gate is None or self.gate(len(reqs), self._behind(reqs))):
             t0 = time.perf_counter()
+            # steady drafting reads the previous drafted round's tokens; the rest is earlier plain rounds' and prompts'
+            extra = sum(r.behind for r in reqs if not (r.rounds and r.rounds[-1].drafted))
+            behind = sum(r.behind for r in reqs)
             caught_up = self._catch_up(reqs)
-            catch_up_s = time.perf_counter() - t0
+            self._sync()
+            probe_s = (time.perf_counter() - t0) * extra / max(1, behind)
             if caught_up:
                 prop = self._propose(reqs, anchors)
         if prop is not None:
@@ -311,7 +320,7 @@ class SpeculativeDecoder:
             self._commit(r, new, lp)
         self.active = [r for r in reqs if not r.done]
         if self.gate is not None and self.gamma:
-            seconds = time.perf_counter() - start - catch_up_s
+            seconds = time.perf_counter() - start - probe_s
             self.gate.timed(len(reqs), prop is not None, sum(n_acc) + len(reqs), seconds)
 
     def _verify(

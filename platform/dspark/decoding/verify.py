@@ -54,7 +54,7 @@ def verify_sampled(
     px = p[_rows(first, lengths, G), drafts].double().cpu()  # (R, G) p_k(x_k)
     if q is None:
         qx = torch.ones_like(px)
-    else:  # q_k(x_k) at the draft's column (0 for an id outside q_ids: such a draft is always rejected)
+    else:  # q_k(x_k) at the draft's column (a draft is sampled from q: its id is one of q_ids)
         col, inside = _columns(drafts.to(q.device), q_ids)
         qx = torch.where(inside, q.gather(-1, col[..., None])[..., 0], 0.0).double().cpu()
     n = ((u * qx < px) & verified).int().cumprod(1).sum(1)  # x_k accepted w.p. min(1, px / qx), until the first miss

@@ -2,8 +2,8 @@
 
 A drafter may have a reduced draft vocabulary (EAGLE-3's): its LM head and Markov W2 score only
 V_d of the target's V tokens (the most frequent in the training responses), and every distribution
-it proposes from is scattered back to V with q(v) = 0 outside. Verification needs nothing else:
-q is just another distribution, so the output law stays the target's.
+it proposes from is given over those V_d ids (`Proposal.vocab`), q(v) = 0 outside. Verification needs
+nothing else: q is just another distribution, so the output law stays the target's.
 
 Decoding keeps one `DraftState` per request. After the target commits tokens, `extend` appends the
 target features of the new positions (and, per position, the token that follows it: the last one
@@ -137,6 +137,8 @@ class Drafter(nn.Module):
     @torch.no_grad()
     def _index_draft_vocab(self) -> None:
         ids = self.draft_ids.to(self.head.lm_head_weight.device)
+        if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):  # verification looks drafts up in order
+            raise UserError("draft_ids: the draft vocabulary's target ids must be strictly increasing")
         self.t2d = torch.full((self.c.vocab_size,), -1, dtype=torch.long, device=ids.device)
         self.t2d[ids] = torch.arange(ids.numel(), device=ids.device)
         self.draft_lm_head = self.head.lm_head_weight[ids]

@@ -146,14 +146,16 @@ class DraftGate:
     verification) also stops drafting until the next probe. Before any drafted round there is nothing to
     predict from: draft. max_interval = 0: draft every round.
 
-    The measurement: the decoder reports what each round took (`timed`: tokens emitted, seconds without
-    the catch-up, which is the probe's price above). Once `min_rounds` drafted and `min_rounds` plain
-    rounds were timed at R, drafting goes on while drafted rounds emit more tokens per second than plain
-    ones (the same mean/exponential average as alpha), whatever the model predicts: a profiled cost curve
-    taken on another thread count or load, overheads it does not price, or a policy that verifies other
-    lengths than the static ones the model assumes cannot make drafting lose for long. While drafting, a
-    plain round is timed every other drafted round until there are `min_rounds` of them, then every
-    `max_interval`-th."""
+    The measurement: the decoder reports what each round took (`timed`: tokens emitted, and seconds
+    without the part of the drafter's catch-up that reads positions of earlier plain rounds or new
+    prompts, which is the probe's price above; reading the previous drafted round's tokens is part of
+    drafting). Once `min_rounds` drafted and `min_rounds` plain rounds were timed at R, drafting goes on
+    while drafted rounds emit more tokens per second than plain ones (tokens and seconds per round each
+    averaged like alpha), whatever the model predicts: a profiled cost curve taken on another thread
+    count or load, overheads it does not price, or a policy that verifies other lengths than the static
+    ones the model assumes cannot make drafting lose for long. While drafting, a plain round is timed
+    every other drafted round until there are `min_rounds` of them, then every `max_interval`-th (every
+    other round for max_interval <= 2)."""
 
     def __init__(self, sps: SPSTable, gamma: int, max_interval: int, weight=0.1, overhead=0.02, min_rounds=4):
         self.sps, self.max_interval, self.weight, self.overhead = sps, max_interval, weight, overhead
@@ -164,7 +166,9 @@ class DraftGate:
         self.idle = False  # the latest drafted round verified nothing
         self.interval, self.skipped = 1, 0
         self.pays: dict[int, bool] = {}  # draft_pays(alpha, R) by R, until alpha next changes
-        self.speed: dict[tuple[int, bool], tuple[float, int]] = {}  # (R, drafted) -> (tokens/s, rounds timed)
+        # (R, drafted) -> (tokens, seconds, rounds timed): tokens and seconds per round, averaged alike, so
+        # their ratio is the rate of the rounds together (a short round's jitter does not weigh more)
+        self.rounds_timed: dict[tuple[int, bool], tuple[float, float, int]] = {}
         self.since_plain: dict[int, int] = {}  # R -> drafted rounds since a plain round was timed at R
 
     def __call__(self, R: int, behind: int = 0) -> bool:
@@ -175,7 +179,7 @@ class DraftGate:
             return True
         if not self.idle and self.drafting_pays(R):
             self.interval, self.skipped = 1, 0
-            timed_plain = self.speed.get((R, False), (0.0, 0))[1]
+            timed_plain = self.speed(R, False)[1]
             if self.since_plain.get(R, 0) >= (2 if timed_plain < self.min_rounds else self.max_interval):
                 return False  # a plain round, timed: what drafting is compared with
             return True
@@ -188,7 +192,7 @@ class DraftGate:
     def drafting_pays(self, R: int) -> bool:
         """Measured tokens/s of drafted against plain rounds at R once both were timed often enough,
         else the model (`draft_pays` with the measured alpha)."""
-        drafted, plain = self.speed.get((R, True), (0.0, 0)), self.speed.get((R, False), (0.0, 0))
+        drafted, plain = self.speed(R, True), self.speed(R, False)
         if min(drafted[1], plain[1]) >= self.min_rounds:
             return drafted[0] > plain[0]
         if R not in self.pays:
@@ -220,14 +224,25 @@ class DraftGate:
         """A round of R requests emitted `tokens` in `seconds` (its catch-up excluded); drafted or plain."""
         if seconds <= 0:
             return
-        speed, n = self.speed.get((R, drafted), (0.0, 0))
-        self.speed[(R, drafted)] = (self._average(speed, n + 1, tokens / seconds), n + 1)
+        mean_tokens, mean_s, n = self.rounds_timed.get((R, drafted), (0.0, 0.0, 0))
+        n += 1
+        self.rounds_timed[(R, drafted)] = (
+            self._average(mean_tokens, n, tokens),
+            self._average(mean_s, n, seconds),
+            n,
+        )
         self.since_plain[R] = self.since_plain.get(R, 0) + 1 if drafted else 0
+
+    def speed(self, R: int, drafted: bool) -> tuple[float, int]:
+        """Measured tokens/s of drafted (or plain) rounds at R, and how many rounds were timed."""
+        mean_tokens, mean_s, n = self.rounds_timed.get((R, drafted), (0.0, 0.0, 0))
+        return (mean_tokens / mean_s if n else 0.0), n
 
     def state(self) -> dict:
         """What the gate decides from: alpha and the measured tokens/s per R (for the engine's state)."""
         speeds: dict[str, dict] = {}
-        for (R, drafted), (speed, n) in sorted(dict(self.speed).items()):  # a copy: the engine thread writes it
+        for R, drafted in sorted(dict(self.rounds_timed)):  # a copy: the engine thread writes it
+            speed, n = self.speed(R, drafted)
             speeds.setdefault(str(R), {})["drafted" if drafted else "plain"] = {"tokens_per_s": speed, "rounds": n}
         return {"alpha": self.alpha.round(4).tolist(), "speed": speeds}
 
