@@ -79,7 +79,7 @@ def _columns(tokens: torch.Tensor, ids: Optional[torch.Tensor]) -> tuple[torch.T
     if ids is None:
         return tokens, torch.ones_like(tokens, dtype=torch.bool)
     ids = ids.to(tokens.device)
-    col = torch.searchsorted(ids, tokens).clamp(max=len(ids) - 1)
+    col = torch.searchsorted(ids, tokens.contiguous()).clamp(max=len(ids) - 1)  # drafts arrive as a slice
     return col, ids[col] == tokens
 
 
