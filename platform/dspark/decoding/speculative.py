@@ -267,8 +267,9 @@ class SpeculativeDecoder:
             extra = sum(r.behind for r in reqs if not (r.rounds and r.rounds[-1].drafted))
             behind = sum(r.behind for r in reqs)
             caught_up = self._catch_up(reqs)
-            self._sync()
-            probe_s = (time.perf_counter() - t0) * extra / max(1, behind)
+            if self.gate is not None and extra:  # only the gate reads round times
+                self._sync()
+                probe_s = (time.perf_counter() - t0) * extra / behind
             if caught_up:
                 prop = self._propose(reqs, anchors)
         if prop is not None:

@@ -55,8 +55,10 @@ def verify_sampled(
     if q is None:
         qx = torch.ones_like(px)
     else:  # q_k(x_k) at the draft's column (a draft is sampled from q: its id is one of q_ids)
-        col, inside = _columns(drafts.to(q.device), q_ids)
-        qx = torch.where(inside, q.gather(-1, col[..., None])[..., 0], 0.0).double().cpu()
+        col = drafts.to(q.device)
+        if q_ids is not None:  # increasing ids; drafts arrive as a slice
+            col = torch.searchsorted(q_ids.to(q.device), col.contiguous())
+        qx = q.gather(-1, col[..., None])[..., 0].double().cpu()
     n = ((u * qx < px) & verified).int().cumprod(1).sum(1)  # x_k accepted w.p. min(1, px / qx), until the first miss
     emit = p[first + n]  # (R, V): p_k at the first rejection, or the bonus p_{l+1}
     if G:
@@ -71,16 +73,6 @@ def verify_sampled(
         residual = (emit - torch.where(rejected, q_k.to(emit), 0.0)).clamp(min=0)  # max(0, p_k - q_k), unnormalised
         emit = torch.where(residual.sum(-1, keepdim=True) > 0, residual, emit)  # all 0 only by rounding when p == q
     return n, inverse_cdf(emit, v)
-
-
-def _columns(tokens: torch.Tensor, ids: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The column of each target id in `tokens` among the increasing ids (V_d,) (None: the id itself),
-    and whether it is one of them."""
-    if ids is None:
-        return tokens, torch.ones_like(tokens, dtype=torch.bool)
-    ids = ids.to(tokens.device)
-    col = torch.searchsorted(ids, tokens.contiguous()).clamp(max=len(ids) - 1)  # drafts arrive as a slice
-    return col, ids[col] == tokens
 
 
 def verify_choices(
