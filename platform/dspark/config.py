@@ -166,6 +166,10 @@ class TrainConfig(Section):
     anchors_per_seq: int = Field(32, ge=1)
     dist_loss: Literal["l1", "kl"] = "l1"  # DSpark's distribution-matching term (paper: l1 = 2 TV)
     lr: float = Field(6e-4, gt=0)
+    adam_betas: tuple[float, float] = (0.9, 0.95)  # DeepSpec: torch's default (0.9, 0.999); bench/recipe_ablation.py
+    # slot weight w_k = exp(-(k-1)/slot_decay) of every DSpark/DFlash loss term; None = gamma (the paper's
+    # exp(-(k-1)/gamma)); DeepSpec's configs use 4
+    slot_decay: Optional[float] = Field(None, gt=0)
     warmup_frac: float = Field(0.04, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)

@@ -212,6 +212,10 @@ def test_the_draft_vocabulary_loss_is_the_exact_total_variation(tgt):
     assert 0 < inside.sum() < len(y)  # labels on both sides of the draft vocabulary
     ce = -torch.log(q[torch.arange(len(y)), y][inside])
     assert torch.allclose(stats["ce_sum"], (w[inside] * ce).sum(), rtol=1e-5)
+    # train.slot_decay d: the same terms weighted by exp(-k/d) instead of exp(-k/gamma)
+    lw = LossWeights(slot_decay=2.0)
+    _, _, stats = drafter_loss(drafter, batch, GAMMA, 8, lw, torch.Generator().manual_seed(0))
+    assert torch.allclose(stats["ce_sum"], (torch.exp(-slot / 2.0)[inside] * ce).sum(), rtol=1e-5)
 
 
 def test_a_draft_vocabulary_is_saved_with_the_weights(tgt, tmp_path):

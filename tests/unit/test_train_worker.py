@@ -11,7 +11,8 @@ from tiny_models import untrained_drafter
 
 from dspark import target as targets
 from dspark.config import load_config
-from dspark.train.worker import _engine, _micro_step, _no_cpu_shm_build
+from dspark.train.loop import make_optimizer
+from dspark.train.worker import _engine, _micro_step, _no_cpu_shm_build, ds_config
 
 GAMMA = 4
 
@@ -71,3 +72,13 @@ def test_a_step_ends_after_every_gradient_accumulation_th_micro_batch(one_rank):
     assert ends == [False, True] * 3 == weights
     assert engine.global_steps == 3
     assert len(scheduler.get_last_lr()) == 1 and scheduler.last_epoch == 3
+
+
+def test_both_trainers_take_the_configured_adam_settings():
+    """train.lr / adam_betas / weight_decay reach the local loop's AdamW and DeepSpeed's own optimizer."""
+    tc = load_config(overrides=["train.adam_betas=[0.9,0.999]", "train.lr=2e-4", "train.weight_decay=0.1"]).train
+    drafter = untrained_drafter(targets.load("builtin"), "dspark", GAMMA)
+    group = make_optimizer(drafter, tc).param_groups[0]
+    assert (group["betas"], group["lr"], group["weight_decay"]) == ((0.9, 0.999), 2e-4, 0.1)
+    ds = ds_config(tc.model_copy(update={"optimizer": "deepspeed_adamw"}), world=1, cuda=False)
+    assert ds["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.999], "weight_decay": 0.1}

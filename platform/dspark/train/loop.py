@@ -45,9 +45,10 @@ def autocast(tc, device: torch.device | str = "cpu"):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def make_optimizer(drafter, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+def make_optimizer(drafter, tc) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters with train.lr, train.adam_betas and train.weight_decay."""
     params = [p for p in drafter.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
 
 
 def fit(
@@ -62,7 +63,7 @@ def fit(
     is called again at the end of each epoch. `tc` is a TrainConfig. Returns per-step metrics."""
     torch.manual_seed(tc.seed if seed is None else seed)
     gen = torch.Generator().manual_seed(tc.seed if seed is None else seed)
-    opt = make_optimizer(drafter, tc.lr, tc.weight_decay)
+    opt = make_optimizer(drafter, tc)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, tc.warmup_frac))
     accum = max(1, tc.global_batch // tc.micro_batch)
     lw = LossWeights.from_config(tc)

@@ -1,6 +1,7 @@
 """Drafter losses, per slot k = 0..gamma-1 over a contiguous valid prefix.
 
-    DSpark:  L = 0.1·CE + 0.9·L1 + 1.0·BCE,  slot weight w_k = exp(-k/gamma)  (the paper's eq. 9-11)
+    DSpark:  L = 0.1·CE + 0.9·L1 + 1.0·BCE,  slot weight w_k = exp(-k/d), d = gamma (the paper's eq. 9-11;
+             train.slot_decay sets d, DeepSpec's configs use 4)
              CE  = -log p_d(x*)                     x* = the target's own next token
              L1  = ||p_d - p_t||_1  (= 2·TV; 1 - TV is exactly the acceptance probability)
              BCE = BCE(c_k, c*_k),  c*_k = 1 - ½||p_d - p_t||_1  (detached, fp32, T=1)
@@ -32,15 +33,18 @@ class LossWeights:
     conf: float = 1.0
     eagle_step: float = 0.8  # EAGLE-3: w_k = 0.8^k
     dist: str = "l1"  # DSpark's distribution term: "l1" (the paper) or "kl" (KL(p_t || p_d), for ablations)
+    slot_decay: float | None = None  # d in w_k = exp(-k/d); None = gamma
 
     @classmethod
     def from_config(cls, tc) -> "LossWeights":
-        return cls(dist=tc.dist_loss)
+        return cls(dist=tc.dist_loss, slot_decay=tc.slot_decay)
 
 
 def slot_weights(kind: str, gamma: int, lw: LossWeights, device) -> torch.Tensor:
     k = torch.arange(gamma, device=device, dtype=torch.float32)
-    return lw.eagle_step**k if kind == "eagle3" else torch.exp(-k / gamma)  # the paper: exp(-(k-1)/γ), k = 1..γ
+    if kind == "eagle3":
+        return lw.eagle_step**k
+    return torch.exp(-k / (lw.slot_decay or gamma))  # the paper: exp(-(k-1)/γ), k = 1..γ
 
 
 def drafter_loss(

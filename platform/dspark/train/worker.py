@@ -71,7 +71,7 @@ def ds_config(tc, world: int, cuda: bool) -> dict:
     if tc.optimizer != "torch_adamw":  # DeepSpeed's own optimizers (fused on CUDA, CPU Adam with offload)
         conf["optimizer"] = {
             "type": "AdamW",
-            "params": {"lr": tc.lr, "betas": [0.9, 0.95], "weight_decay": tc.weight_decay},
+            "params": {"lr": tc.lr, "betas": list(tc.adam_betas), "weight_decay": tc.weight_decay},
         }
         if tc.optimizer == "deepspeed_cpu_adam":
             conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
@@ -133,7 +133,7 @@ def _engine(cfg: Config, drafter, world: int, cuda: bool, total: int):
     conf = ds_config(tc, world, cuda)
     kwargs = {}
     if tc.optimizer == "torch_adamw":
-        kwargs["optimizer"] = make_optimizer(drafter, tc.lr, tc.weight_decay)
+        kwargs["optimizer"] = make_optimizer(drafter, tc)
         kwargs["lr_scheduler"] = torch.optim.lr_scheduler.LambdaLR(
             kwargs["optimizer"], lambda s: lr_factor(s, total, tc.warmup_frac)
         )
