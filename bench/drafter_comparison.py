@@ -188,6 +188,12 @@ def train_variant(name, tgt, cache, cfg, steps, out_dir, log, curve_every=0, hel
         clock["mark"] = time.perf_counter()
 
     hist = fit(drafter, batches, tc, steps, progress)
+    if budget_s and not 0.67 < clock["train_s"] / budget_s < 1.5:  # the probe ran under other load than the run
+        log(
+            f"[{name}] WARNING: {steps} steps took {clock['train_s']:.0f} s against a budget of {budget_s:.0f} s "
+            f"(probed {t_step:.2f} s per step, ran {clock['train_s'] / steps:.2f}): another job shared the "
+            "machine during the probe or the run, so the variants did not get equal wall-clock"
+        )
     save_drafter(drafter, out_dir / name)
     return drafter, {
         "params": count_params(drafter),
