@@ -87,8 +87,9 @@ def main(argv=None):
         if name in done and done[name]["steps"] == args.steps:
             continue
         rcfg = load_config(args.config, [*args.overrides, *overrides])
-        folder = out / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
-        _, info = train_variant(variant, tgt, caches[taps], rcfg, args.steps, folder, print, args.steps, args.heldout)
+        _, info = train_variant(
+            variant, tgt, caches[taps], rcfg, args.steps, out / name, print, args.steps, args.heldout
+        )
         end = info["curve"][-1]
         done[name] = {
             "steps": args.steps,
