@@ -68,9 +68,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.overrides = BENCH_DEFAULTS + args.overrides
     cfg = config_from_args(args)
-    rows = {n: r for n, r in ROWS.items() if not args.rows or n in args.rows.split(",")}
-    if args.rows and (unknown := set(args.rows.split(",")) - set(ROWS)):
+    picked = args.rows.split(",") if args.rows else list(ROWS)
+    if unknown := set(picked) - set(ROWS):
         raise UserError(f"--rows: unknown {sorted(unknown)} (rows: {', '.join(ROWS)})")
+    rows = {n: r for n, r in ROWS.items() if n in picked}
     if any(r[2] for r in rows.values()) and not args.taps_cache:
         rows = {n: r for n, r in rows.items() if not r[2]}
         print("[ablation] no --taps-cache: the taps row is left out")
