@@ -13,7 +13,7 @@ from pathlib import Path
 
 MAX_CHARS = 2500
 EVAL = {"mt-bench": 16, "humaneval": 16, "mbpp": 16, "gsm8k": 16, "math500": 16}
-TRAIN = {"arena-hard-v2": 40, "livecodebench": 30, "lbpp": 30, "swe-bench": 20, "aime24": 10, "aime25": 10}
+TRAIN = {"arena-hard-v2": 400, "livecodebench": 150, "lbpp": 162, "swe-bench": 20, "aime24": 30, "aime25": 30}
 
 
 def subset(src: Path, n: int) -> list[str]:
