@@ -15,7 +15,8 @@ it) on 127.0.0.1: every mode is its own application (route /<mode>) with the ben
 t_d(R)): the first application deployed profiles it in its replica (or --sps-table gives it), and it is
 printed: the per-round costs.
 Prompts: the first user turn of each eval.prompt_sets conversation, sent as chat (the SmolLM2
-config), else the built-in corpus's held-out code and prose prompts as plain text. Each user sends
+config), else the built-in corpus's held-out code and prose prompts as plain text; taken from the sets in
+turn, so that a load's first requests cover every set. Each user sends
 them one after another (streamed, T=1, max_tokens 64) for --seconds or --requests per user, whichever
 ends first (--seconds 0, the default: exactly --requests each); TTFT is measured by the client (the
 first text chunk). Every mode sees the same prompts with the same seeds, and seeded sampling makes each
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import signal
@@ -58,6 +60,7 @@ from serving.app import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_MODE = "vLLM-CPU target-only"
+_GAP = object()  # round_robin's filler for sets of unequal length
 
 
 def bench_prompts(cfg) -> list[dict]:
@@ -65,14 +68,21 @@ def bench_prompts(cfg) -> list[dict]:
     built-in corpus's held-out code and prose."""
     if cfg.eval.prompt_sets:
         storage = Storage.from_config(cfg.storage)
-        convs = [c for uri in cfg.eval.prompt_sets.values() for c in load_jsonl(uri, storage).conversations]
-        return [{"messages": [{"role": "user", "content": c.turns[0]}]} for c in convs]
+        sets = [load_jsonl(uri, storage).conversations for uri in cfg.eval.prompt_sets.values()]
+        return round_robin([[{"messages": [{"role": "user", "content": c.turns[0]}]} for c in s] for s in sets])
     corpus = Corpus.load(cfg.corpus)
-    return [
-        {"prompt": e.prompt}
-        for d in ("code", "prose")
-        for e in spread(split_examples(corpus, d, "heldout", cfg.corpus), 32)
-    ]
+    return round_robin(
+        [
+            [{"prompt": e.prompt} for e in spread(split_examples(corpus, d, "heldout", cfg.corpus), 32)]
+            for d in ("code", "prose")
+        ]
+    )
+
+
+def round_robin(groups: list[list]) -> list:
+    """One item of each group in turn (a, b, c, a, b, c, ...): a user's first requests, and the first
+    requests of a load's users (user u sends items u, u + C, ...), come from every prompt set."""
+    return [x for row in itertools.zip_longest(*groups, fillvalue=_GAP) for x in row if x is not _GAP]
 
 
 async def one(client, url: str, body: dict) -> dict | None:

@@ -1,0 +1,26 @@
+"""bench/serve_load.py takes its prompts from the prompt sets in turn, so that a load's first requests
+(a user sends items u, u + C, ...) cover every set rather than the first set only."""
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+from serve_load import bench_prompts, round_robin  # noqa: E402
+
+from dspark.config import load_config  # noqa: E402
+
+
+def test_round_robin_takes_one_of_each_group_in_turn():
+    assert round_robin([[1, 2, 3], ["a"], ["x", "y"]]) == [1, "a", "x", 2, "y", 3]
+    assert round_robin([]) == []
+
+
+def test_first_requests_cover_every_prompt_set():
+    cfg = load_config(ROOT / "configs/smollm2.yaml")
+    sets = list(cfg.eval.prompt_sets.values())
+    firsts = [json.loads(Path(ROOT / uri).read_text().split("\n")[0])["turns"][0] for uri in sets]
+    prompts = bench_prompts(cfg)
+    assert [p["messages"][0]["content"] for p in prompts[: len(sets)]] == firsts
+    assert len(prompts) == sum(len([ln for ln in Path(ROOT / u).read_text().split("\n") if ln.strip()]) for u in sets)
