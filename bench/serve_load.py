@@ -60,7 +60,6 @@ from serving.app import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_MODE = "vLLM-CPU target-only"
-_GAP = object()  # round_robin's filler for sets of unequal length
 
 
 def bench_prompts(cfg) -> list[dict]:
@@ -82,7 +81,8 @@ def bench_prompts(cfg) -> list[dict]:
 def round_robin(groups: list[list]) -> list:
     """One item of each group in turn (a, b, c, a, b, c, ...): a user's first requests, and the first
     requests of a load's users (user u sends items u, u + C, ...), come from every prompt set."""
-    return [x for row in itertools.zip_longest(*groups, fillvalue=_GAP) for x in row if x is not _GAP]
+    gap = object()  # the filler where a shorter group has run out
+    return [x for row in itertools.zip_longest(*groups, fillvalue=gap) for x in row if x is not gap]
 
 
 async def one(client, url: str, body: dict) -> dict | None:

@@ -19,8 +19,8 @@ def test_round_robin_takes_one_of_each_group_in_turn():
 
 def test_first_requests_cover_every_prompt_set():
     cfg = load_config(ROOT / "configs/smollm2.yaml")
-    sets = list(cfg.eval.prompt_sets.values())
-    firsts = [json.loads(Path(ROOT / uri).read_text().split("\n")[0])["turns"][0] for uri in sets]
+    lines = [[ln for ln in (ROOT / uri).read_text().split("\n") if ln.strip()] for uri in cfg.eval.prompt_sets.values()]
+    firsts = [json.loads(ls[0])["turns"][0] for ls in lines]
     prompts = bench_prompts(cfg)
-    assert [p["messages"][0]["content"] for p in prompts[: len(sets)]] == firsts
-    assert len(prompts) == sum(len([ln for ln in Path(ROOT / u).read_text().split("\n") if ln.strip()]) for u in sets)
+    assert [p["messages"][0]["content"] for p in prompts[: len(lines)]] == firsts
+    assert len(prompts) == sum(map(len, lines))
