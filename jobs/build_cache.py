@@ -5,6 +5,7 @@ an interrupted build.
     python jobs/build_cache.py --set storage.root=s3://dspark/demo --set cache.codec=fp8
     python jobs/build_cache.py --set cache.source_uri=s3://dspark/demo/caches/builtin --set cache.name=fp8 \
         --set cache.codec=fp8 --set cache.layers=[1,3]          # shrink an existing cache
+    python jobs/build_cache.py --set "cache.source_uri=[CACHE_A,CACHE_B]" --set cache.name=both   # join caches
     ray job submit --working-dir . -- python jobs/build_cache.py --set cache.num_actors=4
 
 The target regenerates responses to the corpus prompts; one forward per sequence captures the
@@ -32,9 +33,10 @@ def main(argv=None):
 
     with tracking.run(cfg, "build-cache") as tracker:
         tracker.params({k: v for k, v in cfg.flat().items() if k.startswith(("cache.", "target.", "storage."))})
-        if cfg.cache.source_uri:  # shrink an existing cache: no target, no Ray needed
+        if cfg.cache.source_uri:  # join or shrink existing caches: no target, no Ray needed
             storage = Storage.from_config(cfg.storage)
-            m = transcode(open_cache(cfg.cache.source_uri, storage), cache_uri(cfg), cfg.cache.codec, cfg.cache.layers)
+            uris = [cfg.cache.source_uri] if isinstance(cfg.cache.source_uri, str) else cfg.cache.source_uri
+            m = transcode([open_cache(u, storage) for u in uris], cache_uri(cfg), cfg.cache.codec, cfg.cache.layers)
         else:
             init_ray(cfg)
             m = build_cache(cfg, tracker)

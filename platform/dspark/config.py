@@ -146,7 +146,9 @@ class CacheConfig(Section):
     num_actors: int = Field(1, ge=1)
     num_gpus_per_actor: float = Field(0.0, ge=0)
     skip_bad_shards: bool = False
-    source_uri: str = ""  # transcode this existing cache (codec / fewer layers) instead of running the target
+    # derive the cache from existing ones instead of running the target: their shards one after another
+    # (one cache, or a list of caches built alike), in `codec`, with `layers` (a subset of theirs)
+    source_uri: str | list[str] = ""
 
 
 class TrainConfig(Section):
@@ -220,6 +222,11 @@ class EvalConfig(Section):
     oracle_paths: int = Field(32, ge=0)
     oracle_drafts: int = Field(16, ge=1)
     oracle_stride: int = Field(8, ge=1)
+    # the paper's offline protocol verifies every draft (static length gamma); "greedy" / "threshold" also
+    # measure each drafter with a confidence head under that prefix policy, rows "NAME-POLICY" (its calibration;
+    # the round costs of `sps_table`: a jobs/profile_sps.py table of this device, with --drafter)
+    policy: Literal["static", "threshold", "greedy"] = "static"
+    sps_table: str = ""
     seed: int = 0
     out_dir: str = str(REPO_ROOT / "results")
 

@@ -201,7 +201,7 @@ def test_reading_rows_verifies_each_shards_checksum(built, tmp_path):
     with pytest.raises(CacheError, match=r"shard .*/bad/shard-00001.parquet is damaged: sha256 differs"):
         list(iter_local(cache, batch_size=2))
     with pytest.raises(CacheError, match=r"shard .*/bad/shard-00001.parquet is damaged: sha256 differs"):
-        transcode(cache, str(tmp_path / "fp8"), "fp8")
+        transcode([cache], str(tmp_path / "fp8"), "fp8")
     assert sum(len(b["input_ids"]) for b in iter_local(open_cache(roots["bf16"], Storage()), batch_size=2)) == 6
 
 
@@ -210,7 +210,7 @@ def test_transcode_onto_its_source_is_refused(built):
     src = open_cache(roots["bf16"], Storage())
     for dst in (roots["bf16"], f"file://{roots['bf16']}/"):
         with pytest.raises(UserError) as e:
-            transcode(src, dst, "fp8")
+            transcode([src], dst, "fp8")
         assert "cache.source_uri and the destination are the same cache" in str(e.value) and "\n" not in str(e.value)
     assert open_cache(roots["bf16"], Storage()).manifest.codec == "bf16"  # the source is untouched
 
@@ -222,8 +222,8 @@ def test_a_second_builder_on_one_cache_is_refused(built, tmp_path):
     dst.mkdir()
     with CacheLock(Storage(), str(dst)):  # another builder is at work on it
         with pytest.raises(UserError, match=f"cache {dst} is being built by another builder"):
-            transcode(src, str(dst), "fp8")
-    assert transcode(src, str(dst), "fp8").rows == 6 and sorted(p.name for p in dst.iterdir()) == [
+            transcode([src], str(dst), "fp8")
+    assert transcode([src], str(dst), "fp8").rows == 6 and sorted(p.name for p in dst.iterdir()) == [
         "_shards",
         "_tmp",
         MANIFEST,
@@ -236,17 +236,54 @@ def test_resumed_transcode_with_other_settings_is_refused_naming_the_keys(built,
     _, _, _, roots = built
     src = open_cache(roots["bf16"], Storage())
     dst = tmp_path / "small"
-    first = transcode(src, str(dst), "fp8", [1, 3])
+    first = transcode([src], str(dst), "fp8", [1, 3])
     (dst / MANIFEST).unlink()  # the first run died before its manifest
     with pytest.raises(
         UserError,
         match=r"holds shards built with other settings: codec: 'fp8' there, 'bf16' now; "
         r"layers: \[1, 3\] there, \[1, 2, 3\] now; rerun with the settings",
     ):
-        transcode(src, str(dst), "bf16")
+        transcode([src], str(dst), "bf16")
     assert not (dst / MANIFEST).exists()
-    again = transcode(src, str(dst), "fp8", [1, 3], log_fn=pytest.fail)  # same settings: every shard reused
+    again = transcode([src], str(dst), "fp8", [1, 3], log_fn=pytest.fail)  # same settings: every shard reused
     assert again.shards == first.shards and open_cache(str(dst), Storage()).manifest.codec == "fp8"
+
+
+def test_caches_built_alike_join_into_one_whose_shards_are_theirs(built, tmp_path):
+    _, _, _, roots = built
+    more = str(shutil.copytree(roots["bf16"], tmp_path / "more"))  # another cache built with the same settings
+    srcs = [open_cache(roots["bf16"], Storage()), open_cache(more, Storage())]
+    dst = tmp_path / "both"
+    logged: list[str] = []
+    m = transcode(srcs, str(dst), "bf16", log_fn=logged.append)
+    assert [s.shard_id for s in m.shards] == [0, 1, 2, 3] and m.rows == 12 and len(logged) == 4
+    assert [s.sha256 for s in m.shards] == [s.sha256 for c in srcs for s in c.manifest.shards]  # copied as they are
+    joined = open_cache(str(dst), Storage())
+    assert joined.manifest.generation["transcoded_from"] == [c.uri for c in srcs]
+    assert _rows(joined)["seq_id"] == _rows(srcs[0])["seq_id"] * 2
+    assert sum(len(b["input_ids"]) for b in iter_local(joined, batch_size=4)) == 12  # every shard verifies
+
+    (dst / MANIFEST).unlink()  # the first run died after its third shard
+    (dst / "shard-00003.parquet").unlink()
+    (dst / "_shards" / "shard-00003.parquet.json").unlink()
+    logged.clear()
+    assert transcode(srcs, str(dst), "bf16", log_fn=logged.append).shards == m.shards
+    assert logged == [f"[cache] copied {srcs[1].shard_uri(srcs[1].manifest.shards[1])} as shard-00003.parquet"]
+
+    small = transcode(srcs, str(tmp_path / "small"), "fp8", [1, 3], log_fn=logged.append)
+    assert small.rows == 12 and open_cache(str(tmp_path / "small"), Storage()).manifest.layers == [1, 3]
+
+
+def test_joining_caches_built_otherwise_or_one_cache_twice_is_refused(built, tmp_path):
+    _, _, _, roots = built
+    bf16, fp8 = open_cache(roots["bf16"], Storage()), open_cache(roots["fp8"], Storage())
+    with pytest.raises(
+        UserError, match=rf"cache.source_uri: {fp8.uri} and {bf16.uri} differ in codec \('fp8' and 'bf16'\)"
+    ):
+        transcode([bf16, fp8], str(tmp_path / "mixed"), "bf16")
+    with pytest.raises(UserError, match=f"cache.source_uri names a cache more than once: {bf16.uri}"):
+        transcode([bf16, open_cache(f"file://{roots['bf16']}", Storage())], str(tmp_path / "twice"), "bf16")
+    assert not (tmp_path / "mixed").exists() and not (tmp_path / "twice").exists()
 
 
 def test_a_damaged_manifest_is_one_line_naming_it(tmp_path):

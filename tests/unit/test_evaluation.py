@@ -4,12 +4,14 @@ plots and what goes to MLflow."""
 
 import json
 
+import pytest
 import torch
 
 from dspark import evaluation
 from dspark import target as targets
 from dspark.config import load_config
 from dspark.corpus.sources import Corpus
+from dspark.errors import UserError
 from dspark.models import DrafterConfig, build_drafter
 
 
@@ -68,3 +70,32 @@ def test_evaluate_reports_calibration_with_sweep_and_plots(tmp_path):
     assert ("d.code.calibration.ece_sts", 1) in rec.logged and ("d.prose.T1.tau", 0) in rec.logged
     assert ("d.prose.T1.tau_bound", 0) in rec.logged and ("target.prose.T1.tau_bound", 0) not in rec.logged
     assert {"results.json", "results.md", "reliability_d.png", "threshold_sweep_d.png"} <= set(rec.artifacts)
+
+
+def test_evaluate_with_a_prefix_policy_adds_its_rows_priced_by_the_table(tmp_path):
+    """eval.policy=greedy decodes each drafter with a confidence head a second time under Algorithm 1: with
+    a table where a step of 2+ tokens costs 10x one of 1, no draft is worth verifying (every round emits one
+    token: tau 1, no position verified); without a table the setting is refused before any work."""
+    overrides = ["eval.gamma=3", "eval.temperatures=[1.0]", "eval.prompts_per_domain=1", "eval.max_new_tokens=6"]
+    tgt = targets.load("builtin")
+    torch.manual_seed(0)
+    dc = DrafterConfig.from_target(
+        tgt.config, "dspark", [1, 2, 3], tgt.tokenizer.mask_token_id, num_layers=1, gamma=3, markov_rank=32
+    )
+    drafters = {"d": build_drafter(dc, tgt.model).eval()}
+    cfg = load_config(overrides=[*overrides, "eval.policy=greedy", "eval.oracle_paths=0"])
+    with pytest.raises(UserError, match="eval.policy=greedy prices its prefixes with eval.sps_table"):
+        evaluation.evaluate(cfg, tgt, drafters, Corpus.load(cfg.corpus), tmp_path / "none", calibrate=False)
+    assert not (tmp_path / "none").exists()
+    table = tmp_path / "sps.json"
+    table.write_text(json.dumps({"batch": [1, 2, 64], "sps": [100.0, 10.0, 1.0]}))
+    cfg = load_config(overrides=[*overrides, "eval.policy=greedy", f"eval.sps_table={table}", "eval.oracle_paths=0"])
+    res = evaluation.evaluate(cfg, tgt, drafters, Corpus.load(cfg.corpus), tmp_path / "out", calibrate=False)
+    rows = {(r.drafter, r.domain): r for r in res["results"]}
+    assert set(rows) == {(n, d) for n in ("target", "d", "d-greedy") for d in ("code", "prose")}
+    for dom in ("code", "prose"):
+        static, greedy = rows[("d", dom)], rows[("d-greedy", dom)]
+        assert static.survival and all(s == s for s in static.survival)  # static verified every position
+        assert greedy.tau == 1.0 and all(s != s for s in greedy.survival)  # greedy verified none: NaN
+        assert greedy.tokens == static.tokens and greedy.speedup > 0
+    assert "| d-greedy | prose | " in (tmp_path / "out" / "results.md").read_text()

@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Callable
 
 import pyarrow as pa
@@ -40,7 +40,7 @@ from dspark.cache.format import (
     shard_name,
 )
 from dspark.cache.lock import CacheLock
-from dspark.cache.read import decode_batch, read_manifest, read_shard
+from dspark.cache.read import Cache, decode_batch, read_manifest, read_shard, shard_bytes
 from dspark.cluster import quiet_ray_data
 from dspark.config import Config
 from dspark.corpus.conversations import Conversation, cache_sources
@@ -134,19 +134,18 @@ def publish_shard(
     rows = len(cols["seq_id"])
     pq.write_table(pa.table(cols, schema=SCHEMA), buf, row_group_size=max(1, min(64, rows)), **PARQUET_OPTIONS)
     data = buf.getvalue()
-    name = shard_name(shard_id)
-    _put_atomic(fs, f"{root}/{name}", data, f"{root}/_tmp")
-    stats = ShardStats(
-        shard_id,
-        name,
-        rows,
-        sum(cols["num_tokens"]),
-        sum(int(sum(m)) for m in cols["loss_mask"]),
-        len(data),
-        sha256_of(data),
+    tokens, response_tokens = sum(cols["num_tokens"]), sum(int(sum(m)) for m in cols["loss_mask"])
+    return _publish(
+        fs, root, ShardStats(shard_id, shard_name(shard_id), rows, tokens, response_tokens, 0, ""), data, built_with
     )
+
+
+def _publish(fs: pafs.FileSystem, root: str, stats: ShardStats, data: bytes, built_with: dict | None) -> ShardStats:
+    """The Parquet bytes of a shard, then its sidecar (`stats` with the bytes' size and sha256)."""
+    stats = replace(stats, bytes=len(data), sha256=sha256_of(data))
+    _put_atomic(fs, f"{root}/{stats.file}", data, f"{root}/_tmp")
     sidecar = json.dumps({**asdict(stats), "built_with": built_with}).encode()
-    _put_atomic(fs, f"{root}/_shards/{name}.json", sidecar, f"{root}/_tmp")
+    _put_atomic(fs, f"{root}/_shards/{stats.file}.json", sidecar, f"{root}/_tmp")
     return stats
 
 
@@ -493,23 +492,38 @@ def _build_shards(
             )
 
 
-def transcode(src, dst_uri: str, codec: str, layers: list[int] | None = None, log_fn=print) -> Manifest:
-    """Shrink an existing cache without re-running the target: another codec (e.g. fp8) and/or a
-    subset of its tapped layers. Shard by shard, each published atomically, manifest last; shards
-    already transcoded (with these settings, from these source shards) are skipped. `src` is a
-    dspark.cache.read.Cache; its shards are verified as they are read."""
-    if Storage.same_place(src.uri, dst_uri):
-        raise UserError(
-            f"cache.source_uri and the destination are the same cache ({dst_uri}): set cache.name "
-            f"or cache.uri to a new cache"
-        )
-    m = src.manifest
+def transcode(srcs: list[Cache], dst_uri: str, codec: str, layers: list[int] | None = None, log_fn=print) -> Manifest:
+    """A cache derived from existing ones without re-running the target: the shards of `srcs` one after
+    another (caches of one target, tap set and generation settings: more data without regenerating what
+    is there), in another codec (e.g. fp8) and/or with a subset of the tapped layers. Shard by shard, each
+    published atomically, manifest last; shards already derived (with these settings, from these source
+    shards) are skipped. A shard whose codec and layers stay is copied as it is; every source shard is
+    verified as it is read."""
+    for src in srcs:
+        if Storage.same_place(src.uri, dst_uri):
+            raise UserError(
+                f"cache.source_uri and the destination are the same cache ({dst_uri}): set cache.name "
+                f"or cache.uri to a new cache"
+            )
+    uris = [src.uri for src in srcs]
+    again = sorted({u for u in uris if sum(Storage.same_place(u, v) for v in uris) > 1})
+    if again:
+        raise UserError(f"cache.source_uri names a cache more than once: {', '.join(again)}")
+    m = srcs[0].manifest
+    for src in srcs[1:]:  # rows of other targets, taps or sampling do not belong in one cache
+        a, b = settings_of(src.manifest), settings_of(m)
+        for key in ("target", "tokenizer_sha256", "layers", "hidden_size", "codec", "generation"):
+            if a[key] != b[key]:
+                raise UserError(
+                    f"cache.source_uri: {src.uri} and {srcs[0].uri} differ in {key} ({a[key]!r:.60} and {b[key]!r:.60})"
+                )
     layers = list(layers or m.layers)
     missing = [i for i in layers if i not in m.layers]
     if missing:
         raise UserError(f"cache.layers: {missing} are not in the source cache (it has {m.layers})")
     keep = [m.layers.index(i) for i in layers]
-    fs, root = src.storage.pyarrow_fs(dst_uri)
+    copy = codec == m.codec and layers == m.layers
+    fs, root = srcs[0].storage.pyarrow_fs(dst_uri)
     fs.create_dir(root, recursive=True)
     out = Manifest(
         target=m.target,
@@ -517,16 +531,23 @@ def transcode(src, dst_uri: str, codec: str, layers: list[int] | None = None, lo
         layers=layers,
         hidden_size=m.hidden_size,
         codec=codec,
-        generation={**m.generation, "transcoded_from": src.uri},
-        corpus_sha256=m.corpus_sha256,
+        generation={**m.generation, "transcoded_from": uris[0] if len(uris) == 1 else uris},
+        corpus_sha256=(
+            m.corpus_sha256 if len(srcs) == 1 else sha256_of(" ".join(s.manifest.corpus_sha256 for s in srcs).encode())
+        ),
     )
-    want = {s.shard_id: {**settings_of(out), "source_sha256": s.sha256} for s in m.shards}
-    with CacheLock(src.storage, dst_uri) as lock:
+    todo = [(src, s) for src in srcs for s in src.manifest.shards]  # new shard id: the position in this list
+    want = {i: {**settings_of(out), "source_sha256": s.sha256} for i, (_, s) in enumerate(todo)}
+    with CacheLock(srcs[0].storage, dst_uri) as lock:
         done = published_stats(fs, root)
         check_resume(dst_uri, done, want)
         stats = {i: st for i, (st, _) in done.items()}
-        for s in m.shards:
-            if s.shard_id in stats:
+        for i, (src, s) in enumerate(todo):
+            if i in stats:
+                continue
+            if copy:
+                stats[i] = _publish(fs, root, replace(s, shard_id=i, file=shard_name(i)), shard_bytes(src, s), want[i])
+                log_fn(f"[cache] copied {src.shard_uri(s)} as {shard_name(i)}")
                 continue
             table = read_shard(src, s).read()
             rows = {k: table.column(k).to_pylist() for k in table.column_names}
@@ -536,9 +557,9 @@ def transcode(src, dst_uri: str, codec: str, layers: list[int] | None = None, lo
                 feats.append(codecs.encode(dec["features"][r, :n][:, keep], codec))
                 last.append(codecs.encode(dec["last_hidden"][r, :n], codec))
             rows["features"], rows["last_hidden"] = feats, last
-            stats[s.shard_id] = publish_shard(fs, root, s.shard_id, rows, want[s.shard_id])
-            log_fn(f"[cache] transcoded {s.file}: {s.bytes / 2**20:.1f} -> {stats[s.shard_id].bytes / 2**20:.1f} MiB")
-        out.shards = [stats[s.shard_id] for s in m.shards]
+            stats[i] = publish_shard(fs, root, i, rows, want[i])
+            log_fn(f"[cache] transcoded {src.shard_uri(s)}: {s.bytes / 2**20:.1f} -> {stats[i].bytes / 2**20:.1f} MiB")
+        out.shards = [stats[i] for i in range(len(todo))]
         lock.check()
         _put_atomic(fs, f"{root}/{MANIFEST}", out.to_json().encode(), f"{root}/_tmp")
     return out

@@ -82,6 +82,11 @@ def read_manifest(storage: Storage, uri: str) -> Manifest | None:
 def read_shard(cache: Cache, s: ShardStats) -> pq.ParquetFile:
     """One whole shard, read once into memory and checked against the manifest (size, sha256) before
     it is parsed."""
+    return pq.ParquetFile(pa.BufferReader(shard_bytes(cache, s)))
+
+
+def shard_bytes(cache: Cache, s: ShardStats) -> bytes:
+    """A shard's file, checked against the manifest (size, sha256)."""
     fs, root = cache.fs_root
     try:
         with fs.open_input_stream(f"{root}/{s.file}") as f:
@@ -91,7 +96,7 @@ def read_shard(cache: Cache, s: ShardStats) -> pq.ParquetFile:
     problem = _content_problem(len(data), hashlib.sha256(data).hexdigest(), s)
     if problem:
         raise CacheError(f"shard {cache.shard_uri(s)} is damaged: {problem}")
-    return pq.ParquetFile(pa.BufferReader(data))
+    return data
 
 
 def token_counts(cache: Cache, shards: list[ShardStats], vocab_size: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from dspark.calibration import sts
 from dspark.decoding.sampling import SamplingParams
+from dspark.errors import UserError
 from dspark.evaluation import oracle
 from dspark.evaluation.calibration_study import (
     calibration_rounds,
@@ -39,6 +40,8 @@ from dspark.evaluation.report import (
     plot_reliability,
     plot_sweep,
 )
+from dspark.scheduling.policies import make_policy
+from dspark.scheduling.sps import SPSTable
 
 __all__ = [
     "RunResult",
@@ -60,8 +63,18 @@ __all__ = [
 def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool = True, log=print) -> dict:
     """Evaluate each named drafter (and plain target decoding) per held-out domain or named prompt set
     (eval.prompt_sets) and temperature."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     ec = cfg.eval
+    # eval.policy: each drafter with a confidence head is also decoded with that prefix policy (calibrated by
+    # this evaluation's study; raw confidences without one), priced by the device's profiled round costs
+    policy = None
+    if ec.policy != "static":
+        if not ec.sps_table:
+            raise UserError(
+                f"eval.policy={ec.policy} prices its prefixes with eval.sps_table: set it to a table of "
+                "jobs/profile_sps.py"
+            )
+        policy = make_policy(ec.policy, SPSTable.load(ec.sps_table))
+    out_dir.mkdir(parents=True, exist_ok=True)
     eos = target.eos_token_ids
     results: list[RunResult] = []
     cal_by: dict = {}  # name -> the calibration study (JSON)
@@ -89,6 +102,7 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
             plain_reqs = decode(target.model, None, prompts, sp, 0, ec.max_new_tokens, eos, ec.seed)
             plain = summarize("target", domain, sp, 0, plain_reqs)
             plain.speedup = 1.0
+            first = len(results)
             results.append(plain)
             alpha = []
             if ec.oracle_paths and drafters:
@@ -103,11 +117,19 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
                     r.bound_accept = alpha[:gamma]
                     r.tau_bound = oracle.tau_of(r.bound_accept)
                 results.append(r)
+                if policy is not None and drafter.has_confidence:
+                    cal = shipped.get(name)
+                    reqs = decode(
+                        target.model, drafter, prompts, sp, gamma, ec.max_new_tokens, eos, ec.seed, cal, policy
+                    )
+                    scheduled = summarize(f"{name}-{ec.policy}", domain, sp, gamma, reqs)
+                    scheduled.speedup = scheduled.tokens_per_s / plain.tokens_per_s  # tau of shorter rounds: no bound
+                    results.append(scheduled)
             log(
                 f"[eval] {domain} T={t:g}: "
                 + ", ".join(
                     f"{r.drafter} tau {r.tau:.2f}" + (f" (bound {r.tau_bound:.2f})" if r.bound_accept else "")
-                    for r in results[-len(drafters) - 1 :]
+                    for r in results[first:]
                 )
                 + f" ({time.perf_counter() - t0:.0f}s)"
             )
