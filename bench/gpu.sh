@@ -9,7 +9,9 @@
 #     make install TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128"   # once
 #     bench/gpu.sh                                  # everything under results/gpu (OUT=...)
 #     DEVICE=cpu STEPS=20 EXAMPLES=2 PROMPTS=2 bench/gpu.sh     # the same path on a CPU machine
-# Sizes: EXAMPLES conversations per training source, STEPS training steps, PROMPTS per evaluation set.
+#     bench/gpu.sh --set "eval.prompt_sets={humaneval: data/prompts/eval/humaneval.jsonl}"   # more overrides
+# Sizes: EXAMPLES conversations per training source, STEPS training steps, PROMPTS per evaluation set;
+# SPEED=0 skips step 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -18,6 +20,7 @@ OUT=${OUT:-results/gpu}
 EXAMPLES=${EXAMPLES:-16}
 STEPS=${STEPS:-300}
 PROMPTS=${PROMPTS:-8}
+SPEED=${SPEED:-1}
 RUN=gpu-dspark
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -56,12 +59,15 @@ if [[ $DEVICE == cuda* ]]; then
 else
     DTYPES=float32
 fi
+C+=("$@")  # the caller's overrides last: they win
 t0=$SECONDS
 stamp() { echo "[gpu.sh] $1 done at $((SECONDS - t0)) s"; }
 "$PY" -c "import torch; print('[gpu.sh] torch', torch.__version__, 'cuda', torch.cuda.is_available(), \
 torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
-"$PY" bench/target_speed.py "${C[@]}" --dtypes "$DTYPES" --repeats 5 --max-new 32
-stamp "target speed"
+if [[ $SPEED != 0 ]]; then
+    "$PY" bench/target_speed.py "${C[@]}" --dtypes "$DTYPES" --repeats 5 --max-new 32
+    stamp "target speed"
+fi
 "$PY" jobs/train_dspark.py "${C[@]}"
 stamp "cache, training and evaluation"
 "$PY" jobs/profile_sps.py "${C[@]}" --drafter "$STORE/drafters/$RUN" --out "$OUT/sps.json" \

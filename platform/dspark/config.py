@@ -185,9 +185,9 @@ class TrainConfig(Section):
     threads_per_worker: int = Field(1, ge=1)  # torch intra-op threads on CPU workers
     zero_stage: int = Field(2, ge=0, le=3)
     optimizer: Literal["torch_adamw", "deepspeed_adamw", "deepspeed_cpu_adam"] = "torch_adamw"
-    # mixed precision, weights and optimizer in float32: DeepSpeed's bf16 on CUDA; on a CPU that multiplies bf16
-    # natively (AVX512-BF16 / AMX) the forward under bfloat16 autocast (SmolLM2 DSpark step 1.4x faster), elsewhere
-    # float32 (an emulated bf16 matmul is slower than float32)
+    # mixed precision, weights and optimizer in float32: the forward under bfloat16 autocast on CUDA with bf16 and on
+    # a CPU that multiplies bf16 natively (AVX512-BF16 / AMX: SmolLM2 DSpark step 1.4x faster), elsewhere float32 (an
+    # emulated bf16 matmul is slower than float32)
     bf16: bool = False
     log_every: int = Field(10, ge=1)  # rank 0 prints a progress line every this many optimizer steps
     checkpoint_every: int = Field(50, ge=1)  # optimizer steps

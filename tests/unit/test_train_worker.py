@@ -55,10 +55,20 @@ def _batch(tgt):
 
 
 def test_a_step_ends_after_every_gradient_accumulation_th_micro_batch(one_rank):
-    cfg = load_config(overrides=["train.global_batch=4", "train.micro_batch=2", "train.num_workers=1", "train.lr=1e-3"])
+    cfg = load_config(
+        overrides=[
+            "train.global_batch=4",
+            "train.micro_batch=2",
+            "train.num_workers=1",
+            "train.lr=1e-3",
+            "train.bf16=true",
+        ]
+    )
     tgt = targets.load("builtin")
     drafter = untrained_drafter(tgt, "dspark", GAMMA).train()
-    engine, scheduler = _engine(cfg, drafter, world=1, cuda=False, total=3)
+    engine, scheduler = _engine(cfg, drafter, world=1, total=3)
+    # train.bf16 is autocast on every device: the weights stay float32 like the cache's features
+    assert {p.dtype for p in engine.module.parameters()} == {torch.float32}
     gas = engine.gradient_accumulation_steps()
     assert gas == 2
     batch, ends, weights = _batch(tgt), [], []
@@ -80,5 +90,5 @@ def test_both_trainers_take_the_configured_adam_settings():
     drafter = untrained_drafter(targets.load("builtin"), "dspark", GAMMA)
     group = make_optimizer(drafter, tc).param_groups[0]
     assert (group["betas"], group["lr"], group["weight_decay"]) == ((0.9, 0.999), 2e-4, 0.1)
-    ds = ds_config(tc.model_copy(update={"optimizer": "deepspeed_adamw"}), world=1, cuda=False)
+    ds = ds_config(tc.model_copy(update={"optimizer": "deepspeed_adamw"}), world=1)
     assert ds["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.999], "weight_decay": 0.1}

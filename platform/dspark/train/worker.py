@@ -52,7 +52,7 @@ class Position:
     pending: list[dict] = field(default_factory=list)  # metrics of the steps since the last commit
 
 
-def ds_config(tc, world: int, cuda: bool) -> dict:
+def ds_config(tc, world: int) -> dict:
     per_step = tc.micro_batch * world
     if tc.global_batch % per_step:
         raise UserError(
@@ -64,7 +64,6 @@ def ds_config(tc, world: int, cuda: bool) -> dict:
         "gradient_accumulation_steps": tc.global_batch // per_step,
         "gradient_clipping": tc.grad_clip,
         "zero_optimization": {"stage": tc.zero_stage},
-        "bf16": {"enabled": bool(tc.bf16 and cuda)},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
@@ -127,10 +126,10 @@ def drafter_for(cfg: Config, layers: list[int], target: dict, device, draft_ids:
     return drafter.to(device)
 
 
-def _engine(cfg: Config, drafter, world: int, cuda: bool, total: int):
+def _engine(cfg: Config, drafter, world: int, total: int):
     """DeepSpeed engine and LR schedule (linear warmup, cosine decay over `total` steps)."""
     tc = cfg.train
-    conf = ds_config(tc, world, cuda)
+    conf = ds_config(tc, world)
     kwargs = {}
     if tc.optimizer == "torch_adamw":
         kwargs["optimizer"] = make_optimizer(drafter, tc)
@@ -184,9 +183,9 @@ def _micro_batches(shard, tc, pos: Position, manifest: Manifest, device):
 def _micro_step(engine, batch: dict, tc, gen: torch.Generator, world: int) -> tuple[dict, bool]:
     """Forward + backward of one micro-batch: its summed statistics (weights "w", "loss") and whether
     it ended an optimizer step (DeepSpeed steps the optimizer on every gradient-accumulation-th call)."""
-    # on CUDA train.bf16 is DeepSpeed's (bf16 weights); on a CPU autocast (float32 weights)
-    precision = nullcontext() if engine.bfloat16_enabled() else autocast(tc, batch["input_ids"].device)
-    with precision:
+    # train.bf16 is autocast on every device: float32 weights, gradients and optimizer state. (DeepSpeed's
+    # own bf16 mode keeps bf16 weights, which the cache's float32 features and the target's head do not meet)
+    with autocast(tc, batch["input_ids"].device):
         loss_sum, w_sum, stats = drafter_loss(
             engine.module, batch, tc.gamma, tc.anchors_per_seq, LossWeights.from_config(tc), gen
         )
@@ -285,14 +284,14 @@ def train_loop_per_worker(config: dict) -> None:
         with tempfile.TemporaryDirectory() as d:
             local = download_drafter(cfg, tc.warm_start, d)
             drafter.load_state_dict(load_file(str(local / WEIGHTS_FILE)))
-    engine, scheduler = _engine(cfg, drafter, world, cuda, total)
+    engine, scheduler = _engine(cfg, drafter, world, total)
     pos = _resume(engine)
     if rank == 0 and pos.step:
         _say(
             f"[train] resumed from the checkpoint of step {pos.step} (epoch {pos.epoch}, "
             f"micro-batch {pos.micro_in_epoch})"
         )
-    if rank == 0 and tc.bf16 and not engine.bfloat16_enabled():
+    if rank == 0 and tc.bf16:
         native = targets.native_bf16(str(device))
         _say(f"[train] train.bf16: {'bfloat16 autocast' if native else 'float32 (no native bf16 here)'} on {device}")
     run = tracking.RunClient(cfg, config["mlflow_run_id"]) if rank == 0 and config["mlflow_run_id"] else None
