@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from tiny_models import untrained_drafter
 
 from dspark import target as targets
+from dspark.config import load_config
 from dspark.errors import UserError
-from dspark.models import load_drafter, save_drafter
+from dspark.models import load_drafter, save_drafter, warm_start
 from dspark.models.drafter import DraftState, select_draft_vocab
 from dspark.models.layers import block_attention
 from dspark.target.packed import PackedLinear
@@ -235,6 +236,25 @@ def test_a_draft_vocabulary_is_saved_with_the_weights(tgt, tmp_path):
     assert props[0].vocab.tolist() == DRAFT_IDS and props[0].probs.shape[-1] == len(DRAFT_IDS)  # q over V_d
     with pytest.raises(UserError, match="strictly increasing"):  # verification looks the drafts up in order
         loaded.set_draft_vocab(torch.tensor(DRAFT_IDS[::-1]))
+
+
+def test_warm_start_takes_the_saved_weights_and_refuses_other_shapes(tgt, tmp_path):
+    """train.warm_start initialises a drafter (the distributed trainer's and the comparison bench's) with
+    a saved drafter's weights; a drafter of other shapes is refused."""
+    trained = _drafter(tgt, "dspark", "vanilla", DRAFT_IDS)
+    with torch.no_grad():  # weights no fresh drafter has
+        for p in trained.parameters():
+            p.add_(0.01)
+    save_drafter(trained, tmp_path)
+    cfg = load_config(overrides=[f"train.warm_start={tmp_path}"])
+    fresh = untrained_drafter(tgt, "dspark", GAMMA, num_layers=2, markov="vanilla", draft_ids=DRAFT_IDS)
+    saved = load_drafter(tmp_path, tgt.model)
+    assert not all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), saved.state_dict().values()))
+    warm_start(cfg, fresh)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), saved.state_dict().values()))
+    other = untrained_drafter(tgt, "dspark", GAMMA, num_layers=1, markov="vanilla", draft_ids=DRAFT_IDS)
+    with pytest.raises(RuntimeError, match="size mismatch|Missing key|Unexpected key"):
+        warm_start(cfg, other)
 
 
 def test_train_bf16_on_a_cpu_is_autocast_only_where_bf16_is_native(tgt, monkeypatch):

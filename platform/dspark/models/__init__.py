@@ -80,5 +80,17 @@ def fetch_drafter(cfg, uri: str, target) -> Drafter:
         return load_drafter(download_drafter(cfg, uri, d), target.model, target.weights_sha256)
 
 
+def warm_start(cfg, drafter: Drafter) -> None:
+    """train.warm_start: the weights of the drafter there (a storage URI, folder or models:/NAME@ALIAS)
+    initialise `drafter`, which must have its shapes; its optimizer state and step count are not taken."""
+    from dspark.artifacts import download_drafter
+
+    if not cfg.train.warm_start:
+        return
+    with tempfile.TemporaryDirectory(prefix="drafter-") as d:
+        local = download_drafter(cfg, cfg.train.warm_start, d, only=(WEIGHTS_FILE,))
+        drafter.load_state_dict(load_file(str(local / WEIGHTS_FILE)))
+
+
 def count_params(drafter: Drafter) -> int:
     return sum(p.numel() for p in drafter.parameters())

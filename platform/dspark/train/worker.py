@@ -25,16 +25,14 @@ import ray.train
 import torch
 import torch.distributed as dist
 from ray.train import CheckpointConsistencyMode
-from safetensors.torch import load_file
 
 from dspark import target as targets
 from dspark import tracking
-from dspark.artifacts import download_drafter
 from dspark.cache.format import Manifest
 from dspark.cache.read import decode_batch
 from dspark.config import Config
 from dspark.errors import UserError
-from dspark.models import WEIGHTS_FILE, DrafterConfig, build_drafter, save_drafter
+from dspark.models import DrafterConfig, build_drafter, save_drafter, warm_start
 from dspark.models.layers import FrozenTargetHead
 from dspark.train.loop import autocast, lr_factor, make_optimizer
 from dspark.train.loss import LossWeights, drafter_loss, summarize
@@ -280,10 +278,7 @@ def train_loop_per_worker(config: dict) -> None:
     _no_cpu_shm_build()
 
     drafter = drafter_for(cfg, manifest.layers, manifest.target, device, config.get("draft_ids"))
-    if tc.warm_start:  # weights only: a fresh optimizer, scheduler and step count
-        with tempfile.TemporaryDirectory() as d:
-            local = download_drafter(cfg, tc.warm_start, d)
-            drafter.load_state_dict(load_file(str(local / WEIGHTS_FILE)))
+    warm_start(cfg, drafter)  # weights only: a fresh optimizer, scheduler and step count
     engine, scheduler = _engine(cfg, drafter, world, total)
     pos = _resume(engine)
     if rank == 0 and pos.step:
