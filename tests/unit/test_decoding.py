@@ -10,6 +10,7 @@ Exactness holds for any target weights, so full verification runs on the built-i
 other statistical tests (10,000 requests each) on a tiny random Qwen3, where they cost seconds.
 """
 
+import collections
 import itertools
 import os
 
@@ -274,9 +275,9 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     catch-up: as gap, but the probe's price is mostly the drafter's catch-up over the positions it has
     not read (new requests' prompts, skipped rounds): the wait varies with the batch's history.
     timed: the gate decides from what rounds took (`DraftGate.timed`), and here what a drafted round
-    "took" depends on the tokens it accepted: half a plain round's time per token when it emitted an odd
-    number of tokens, 1.5x when even; so whether a round drafts follows the parity of earlier rounds'
-    acceptance."""
+    "took" depends on the tokens emitted so far: half a plain round's time per token while their total is
+    in [0, 8000), 1.5x in [8000, 16000), and so on; so whether a round drafts follows earlier rounds'
+    acceptance, and the measured verdict (beyond its noise) goes both ways."""
     model, prompt = tiny
     law = _exact_law(model, prompt)
     if kind in ("cost", "gap", "catch-up"):
@@ -296,8 +297,15 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         cost, policy = KNEE, policies.make_policy("greedy", KNEE)  # the model alone: drafting always pays
         gate = policies.DraftGate(cost, 4, max_interval=4, min_rounds=2)
         timed = gate.timed
-        # plain rounds: 1 s for R tokens; drafted: 0.5 or 1.5 s per R tokens, by the parity of what they emitted
-        gate.timed = lambda R, drafted, n, s: timed(R, drafted, n, n / R * (0.5 if n % 2 else 1.5) if drafted else 1.0)
+        total = [0]  # tokens emitted so far
+
+        def fake_timed(R, drafted, n, s):  # plain rounds: 1 s for R tokens; drafted 0.5 or 1.5 s, by `total`
+            total[0] += n
+            timed(R, drafted, n, n / R * (1.5 if total[0] // 8000 % 2 else 0.5) if drafted else 1.0)
+
+        gate.timed = fake_timed
+        measured, verdicts = gate.measured, []  # the measured verdicts the gate drew
+        gate.measured = lambda R: verdicts.append(measured(R)) or verdicts[-1]
     else:
         gate = policies.DraftGate(cost, 4, max_interval=1)
     if kind != "timed":  # the model's decisions alone: the wall clock must not steer a test
@@ -323,8 +331,10 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         assert verified > 3
     if kind == "catch-up":  # the wait followed what the drafter had not read
         assert len(gaps) >= 3
-    if kind == "timed":  # both kinds of round were timed at the full batch: the measurement decided
+    if kind == "timed":  # both kinds of round were timed at the full batch, and the measurement decided
+        print(f"[exactness] measured verdicts: {collections.Counter(verdicts)}")
         assert min(gate.speed(256, drafted)[1] for drafted in (True, False)) >= 2
+        assert {True, False} <= set(verdicts)  # both ways: drafting followed the emitted tokens' parity
     assert power >= 0.9 and p_value > 1e-3, p_value
 
 

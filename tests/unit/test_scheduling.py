@@ -209,6 +209,29 @@ def test_the_draft_gate_follows_what_rounds_took_over_its_model():
     }
 
 
+def test_a_measured_difference_within_the_noise_leaves_the_decision_to_the_model():
+    """Drafted rounds emit 1 to gamma + 1 tokens per request: a few unlucky ones must not stop drafting.
+    A difference of the measured rates within `z` standard errors leaves the decision to the model; one
+    beyond them overrules it."""
+    sps = SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.001])  # the model: drafting is cheap
+    gate = DraftGate(sps, gamma=7, max_interval=8, overhead=math.inf, min_rounds=4)
+    gate.observe([7], [7])
+    for _ in range(4):
+        gate.timed(1, False, 1, 0.01)  # plain rounds: 100 tokens/s
+    for tokens in (1, 6, 1, 1):
+        gate.timed(1, True, tokens, 0.03)  # drafted: 75 tokens/s, from rounds of 1 to 6 tokens
+    assert gate.speed(1, True) == (pytest.approx(75.0), 4)
+    assert gate.measured(1) is None and gate.drafting_pays(1) and gate(1)  # within the noise: the model drafts
+    for _ in range(6):
+        gate.timed(1, True, 1, 0.03)  # round after round of 33 tokens/s
+    assert gate.speed(1, True) == (pytest.approx(50.0), 10)
+    assert gate.measured(1) is False and not gate.drafting_pays(1)
+    steady = DraftGate(sps, gamma=7, max_interval=8, min_rounds=4)  # no noise: any difference decides
+    for drafted, tokens, seconds in [(False, 1, 0.01)] * 4 + [(True, 2, 0.0201)] * 4:
+        steady.timed(1, drafted, tokens, seconds)
+    assert steady.measured(1) is False
+
+
 def test_drafting_pays_at_low_load_and_not_at_high_load():
     """Verification is flat up to B = 16 then bandwidth-bound; a drafting round costs one target step.
     Acceptance 0.8 per position: at R = 1 drafting pays; at R = 64 every verified token costs its

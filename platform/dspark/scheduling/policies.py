@@ -133,6 +133,40 @@ def draft_pays(alpha: np.ndarray, R: int, sps: SPSTable) -> bool:
     return draft_rate(alpha, R, sps) > rate(R, R, sps)
 
 
+class RoundTimes:
+    """What rounds of one kind took: tokens t and seconds s per round, their means, mean squares and mean
+    product, each the running mean for the first 1 / weight rounds, then exponential (weight). The rate
+    is the ratio of the means, t̄ / s̄ (the rounds together: a short round's jitter does not weigh more),
+    and its standard error the delta method's,
+        se² = (var t - 2 rate cov(t, s) + rate² var s) / (s̄² n_eff),
+    with n_eff = n during the running mean and (2 - weight) / weight after (an exponential mean's
+    variance is weight / (2 - weight) of one round's)."""
+
+    def __init__(self):
+        self.n = 0
+        self.t = self.s = self.tt = self.ss = self.ts = 0.0
+
+    def add(self, tokens: float, seconds: float, weight: float) -> None:
+        self.n += 1
+        a = max(weight, 1 / self.n)
+        for name, x in (("t", tokens), ("s", seconds), ("tt", tokens**2), ("ss", seconds**2), ("ts", tokens * seconds)):
+            setattr(self, name, getattr(self, name) + a * (x - getattr(self, name)))
+
+    @property
+    def rate(self) -> float:
+        return self.t / self.s if self.n else 0.0
+
+    def rate_se(self, weight: float) -> float:
+        if self.n < 2:
+            return math.inf
+        n_eff = self.n if self.n <= 1 / weight else (2 - weight) / weight
+        bessel = n_eff / (n_eff - 1)  # the sample moments' bias
+        var_t, var_s = (self.tt - self.t**2) * bessel, (self.ss - self.s**2) * bessel
+        cov = (self.ts - self.t * self.s) * bessel
+        r = self.rate
+        return math.sqrt(max(var_t - 2 * r * cov + r * r * var_s, 0.0) / (self.s**2 * n_eff))
+
+
 class DraftGate:
     """Whether a round drafts, decided before drafting from past rounds only.
 
@@ -149,26 +183,26 @@ class DraftGate:
     The measurement: the decoder reports what each round took (`timed`: tokens emitted, and seconds
     without the part of the drafter's catch-up that reads positions of earlier plain rounds or new
     prompts, which is the probe's price above; reading the previous drafted round's tokens is part of
-    drafting). Once `min_rounds` drafted and `min_rounds` plain rounds were timed at R, drafting goes on
-    while drafted rounds emit more tokens per second than plain ones (tokens and seconds per round each
-    averaged like alpha), whatever the model predicts: a profiled cost curve taken on another thread
-    count or load, overheads it does not price, or a policy that verifies other lengths than the static
-    ones the model assumes cannot make drafting lose for long. While drafting, a plain round is timed
+    drafting). Once `min_rounds` drafted and `min_rounds` plain rounds were timed at R, and their tokens/s
+    differ by more than `z` standard errors of the difference (`RoundTimes`: a drafted round's tokens vary
+    from 1 to gamma + 1 per request, and a few lucky or unlucky rounds must not decide), drafting goes on
+    while drafted rounds emit more tokens per second than plain ones, whatever the model predicts: a
+    profiled cost curve taken on another thread count or load, overheads it does not price, or a policy
+    that verifies other lengths than the static ones the model assumes cannot make drafting lose for long.
+    While the difference is within the noise, the model decides. While drafting, a plain round is timed
     every other drafted round until there are `min_rounds` of them, then every `max_interval`-th (every
     other round for max_interval <= 2)."""
 
-    def __init__(self, sps: SPSTable, gamma: int, max_interval: int, weight=0.1, overhead=0.02, min_rounds=4):
+    def __init__(self, sps: SPSTable, gamma: int, max_interval: int, weight=0.1, overhead=0.02, min_rounds=4, z=2.0):
         self.sps, self.max_interval, self.weight, self.overhead = sps, max_interval, weight, overhead
-        self.min_rounds = min_rounds
+        self.min_rounds, self.z = min_rounds, z
         self.alpha = np.zeros(gamma)
         self.rounds = np.zeros(gamma)  # drafted rounds that measured alpha_j
         self.seen = False  # a drafted round has been observed
         self.idle = False  # the latest drafted round verified nothing
         self.interval, self.skipped = 1, 0
         self.pays: dict[int, bool] = {}  # draft_pays(alpha, R) by R, until alpha next changes
-        # (R, drafted) -> (tokens, seconds, rounds timed): tokens and seconds per round, averaged alike, so
-        # their ratio is the rate of the rounds together (a short round's jitter does not weigh more)
-        self.rounds_timed: dict[tuple[int, bool], tuple[float, float, int]] = {}
+        self.rounds_timed: dict[tuple[int, bool], RoundTimes] = {}  # (R, drafted) -> what those rounds took
         self.since_plain: dict[int, int] = {}  # R -> drafted rounds since a plain round was timed at R
 
     def __call__(self, R: int, behind: int = 0) -> bool:
@@ -189,12 +223,23 @@ class DraftGate:
         self.skipped += 1
         return False
 
+    def measured(self, R: int) -> bool | None:
+        """Whether drafted rounds at R emit more tokens/s than plain ones, when both were timed `min_rounds`
+        times and the rates differ by more than `z` standard errors; else None (not known yet)."""
+        drafted, plain = self.rounds_timed.get((R, True)), self.rounds_timed.get((R, False))
+        if drafted is None or plain is None or min(drafted.n, plain.n) < self.min_rounds:
+            return None
+        diff = drafted.rate - plain.rate
+        if abs(diff) <= self.z * math.hypot(drafted.rate_se(self.weight), plain.rate_se(self.weight)):
+            return None
+        return diff > 0
+
     def drafting_pays(self, R: int) -> bool:
-        """Measured tokens/s of drafted against plain rounds at R once both were timed often enough,
-        else the model (`draft_pays` with the measured alpha)."""
-        drafted, plain = self.speed(R, True), self.speed(R, False)
-        if min(drafted[1], plain[1]) >= self.min_rounds:
-            return drafted[0] > plain[0]
+        """The measured verdict at R where there is one, else the model (`draft_pays` with the measured
+        alpha)."""
+        verdict = self.measured(R)
+        if verdict is not None:
+            return verdict
         if R not in self.pays:
             self.pays[R] = draft_pays(self.alpha, R, self.sps)
         return self.pays[R]
@@ -224,19 +269,13 @@ class DraftGate:
         """A round of R requests emitted `tokens` in `seconds` (its catch-up excluded); drafted or plain."""
         if seconds <= 0:
             return
-        mean_tokens, mean_s, n = self.rounds_timed.get((R, drafted), (0.0, 0.0, 0))
-        n += 1
-        self.rounds_timed[(R, drafted)] = (
-            self._average(mean_tokens, n, tokens),
-            self._average(mean_s, n, seconds),
-            n,
-        )
+        self.rounds_timed.setdefault((R, drafted), RoundTimes()).add(tokens, seconds, self.weight)
         self.since_plain[R] = self.since_plain.get(R, 0) + 1 if drafted else 0
 
     def speed(self, R: int, drafted: bool) -> tuple[float, int]:
         """Measured tokens/s of drafted (or plain) rounds at R, and how many rounds were timed."""
-        mean_tokens, mean_s, n = self.rounds_timed.get((R, drafted), (0.0, 0.0, 0))
-        return (mean_tokens / mean_s if n else 0.0), n
+        times = self.rounds_timed.get((R, drafted))
+        return (times.rate, times.n) if times else (0.0, 0)
 
     def state(self) -> dict:
         """What the gate decides from: alpha and the measured tokens/s per R (for the engine's state)."""
