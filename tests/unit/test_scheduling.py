@@ -193,7 +193,7 @@ def test_the_draft_gate_follows_what_rounds_took_over_its_model():
     assert [gate(1) for _ in range(3)] == [True] * 3  # enough plain rounds: the next one after 8 drafted
     for _ in range(4):  # a drafted round now takes 0.06 s: 50 tokens/s, half what a plain round emits
         gate.timed(1, True, 3, 0.06)
-    assert not gate.drafting_pays(1) and gate.pays[1]  # the measurement overrules the model
+    assert not gate.drafting_pays(1) and draft_pays(gate.alpha, 1, sps, gate.overhead_s(1))  # overruled: the model
     assert [gate(1) for _ in range(3)] == [False, True, False]  # plain rounds, probes after 1, 2, .. skipped
     assert gate.drafting_pays(2)  # R = 2 has not been timed: the model
     # the other way: the model says plain decoding wins (drafting costs 10 steps), drafted rounds are faster
@@ -230,6 +230,26 @@ def test_a_measured_difference_within_the_noise_leaves_the_decision_to_the_model
     for drafted, tokens, seconds in [(False, 1, 0.01)] * 4 + [(True, 2, 0.0201)] * 4:
         steady.timed(1, drafted, tokens, seconds)
     assert steady.measured(1) is False
+
+
+def test_the_model_prices_the_measured_cost_of_a_round_beyond_its_forward_pass():
+    """A round costs the engine's own work o beside its forward passes; drafting spreads it over more
+    tokens. Forward 10 ms, drafting 5 ms, alpha 0.4: without o a drafted round emits 1.4 tokens in 15 ms
+    (93 tokens/s) against 100 plain; plain rounds timed at 30 ms give o = 20 ms, and then drafting pays
+    (1.4 tokens in 35 ms: 40 tokens/s against 33)."""
+    sps = SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.005])
+    assert not draft_pays(np.array([0.4, 0.0]), 1, sps) and draft_pays(np.array([0.4, 0.0]), 1, sps, 0.02)
+    gate = DraftGate(sps, gamma=2, max_interval=8, min_rounds=4)
+    gate.observe([2], [1])
+    gate.observe([2], [0])
+    assert gate.alpha.tolist() == [0.5, 0.0] and gate.overhead_s(1) == 0.0 and not gate.drafting_pays(1)
+    gate.observe([2], [1])  # alpha_1 = 2/3, then 0.4 after two more rejections
+    gate.observe([2], [0])
+    gate.observe([2], [0])
+    for _ in range(4):
+        gate.timed(1, False, 1, 0.03)
+    assert gate.alpha[0] == pytest.approx(0.4) and gate.overhead_s(1) == pytest.approx(0.02)
+    assert gate.measured(1) is None and gate.drafting_pays(1)  # no drafted rounds timed: the model, with o
 
 
 def test_drafting_pays_at_low_load_and_not_at_high_load():

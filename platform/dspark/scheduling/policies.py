@@ -119,18 +119,18 @@ def static_threshold(a: np.ndarray, threshold: float) -> np.ndarray:
     return (np.asarray(a) >= threshold).cumprod(axis=1).sum(axis=1).astype(np.int64)
 
 
-def draft_rate(alpha: np.ndarray, R: int, sps: SPSTable) -> float:
+def draft_rate(alpha: np.ndarray, R: int, sps: SPSTable, overhead_s: float = 0.0) -> float:
     """The best Theta of drafting at R requests with one static length l = 1..gamma, predicted from the
     per-position conditional acceptance alpha (gamma,): tau = R * (1 + sum_{j<=l} prod_{i<=j} alpha_i),
-    and the round takes t_d(R) + 1/SPS(R * (1 + l))."""
+    and the round takes o + t_d(R) + 1/SPS(R * (1 + l)), o the round's cost outside the forward passes."""
     tau = R * (1.0 + np.cumsum(np.cumprod(alpha)))  # (gamma,): l = 1..gamma
     t_d = sps.draft_time(R)
-    return max(rate(float(t), R * (2 + j), sps, t_d) for j, t in enumerate(tau))
+    return max(rate(float(t), R * (2 + j), sps, t_d + overhead_s) for j, t in enumerate(tau))
 
 
-def draft_pays(alpha: np.ndarray, R: int, sps: SPSTable) -> bool:
-    """Drafting is expected to beat plain target decoding, Theta_0 = R * SPS(R)."""
-    return draft_rate(alpha, R, sps) > rate(R, R, sps)
+def draft_pays(alpha: np.ndarray, R: int, sps: SPSTable, overhead_s: float = 0.0) -> bool:
+    """Drafting is expected to beat plain target decoding, Theta_0 = R / (o + 1/SPS(R))."""
+    return draft_rate(alpha, R, sps, overhead_s) > rate(R, R, sps, overhead_s)
 
 
 class RoundTimes:
@@ -189,7 +189,8 @@ class DraftGate:
     while drafted rounds emit more tokens per second than plain ones, whatever the model predicts: a
     profiled cost curve taken on another thread count or load, overheads it does not price, or a policy
     that verifies other lengths than the static ones the model assumes cannot make drafting lose for long.
-    While the difference is within the noise, the model decides. While drafting, a plain round is timed
+    While the difference is within the noise, the model decides, its rounds priced with the measured
+    cost of a plain round beyond the profiled forward pass (`overhead_s`). While drafting, a plain round is timed
     every other drafted round until there are `min_rounds` of them, then every `max_interval`-th (every
     other round for max_interval <= 2)."""
 
@@ -201,7 +202,7 @@ class DraftGate:
         self.seen = False  # a drafted round has been observed
         self.idle = False  # the latest drafted round verified nothing
         self.interval, self.skipped = 1, 0
-        self.pays: dict[int, bool] = {}  # draft_pays(alpha, R) by R, until alpha next changes
+        self.pays: dict[int, bool] = {}  # draft_pays(alpha, R, o(R)) by R, until alpha or o(R) next changes
         self.rounds_timed: dict[tuple[int, bool], RoundTimes] = {}  # (R, drafted) -> what those rounds took
         self.since_plain: dict[int, int] = {}  # R -> drafted rounds since a plain round was timed at R
 
@@ -241,8 +242,16 @@ class DraftGate:
         if verdict is not None:
             return verdict
         if R not in self.pays:
-            self.pays[R] = draft_pays(self.alpha, R, self.sps)
+            self.pays[R] = draft_pays(self.alpha, R, self.sps, self.overhead_s(R))
         return self.pays[R]
+
+    def overhead_s(self, R: int) -> float:
+        """o(R): what a plain round at R took beyond its profiled forward pass, 1/SPS(R), once `min_rounds`
+        were timed (else 0): the engine's own work per round, which drafting spreads over more tokens."""
+        plain = self.rounds_timed.get((R, False))
+        if plain is None or plain.n < self.min_rounds:
+            return 0.0
+        return max(plain.s - 1.0 / self.sps(R), 0.0)
 
     def probe_gap(self, R: int, behind: int = 0) -> int:
         """Plain rounds a probe waits at least: its catch-up and drafting round cost at most `overhead` of
@@ -270,6 +279,8 @@ class DraftGate:
         if seconds <= 0:
             return
         self.rounds_timed.setdefault((R, drafted), RoundTimes()).add(tokens, seconds, self.weight)
+        if not drafted:
+            self.pays.pop(R, None)  # o(R) moved
         self.since_plain[R] = self.since_plain.get(R, 0) + 1 if drafted else 0
 
     def speed(self, R: int, drafted: bool) -> tuple[float, int]:
