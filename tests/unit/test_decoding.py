@@ -275,9 +275,9 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     catch-up: as gap, but the probe's price is mostly the drafter's catch-up over the positions it has
     not read (new requests' prompts, skipped rounds): the wait varies with the batch's history.
     timed: the gate decides from what rounds took (`DraftGate.timed`), and here what a drafted round
-    "took" depends on the tokens emitted so far: half a plain round's time per token while their total is
-    in [0, 8000), 1.5x in [8000, 16000), and so on; so whether a round drafts follows earlier rounds'
-    acceptance, and the measured verdict (beyond its noise) goes both ways."""
+    "took" depends on the tokens emitted so far: half a plain round's time per token until their total
+    reaches 8000, then 3x; so whether a round drafts follows earlier rounds' acceptance, and the measured
+    verdict goes both ways."""
     model, prompt = tiny
     law = _exact_law(model, prompt)
     if kind in ("cost", "gap", "catch-up"):
@@ -299,9 +299,9 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         timed = gate.timed
         total = [0]  # tokens emitted so far
 
-        def fake_timed(R, drafted, n, s):  # plain rounds: 1 s for R tokens; drafted 0.5 or 1.5 s, by `total`
+        def fake_timed(R, drafted, n, s):  # plain rounds: 1 s for R tokens; drafted 0.5 or 3 s, by `total`
             total[0] += n
-            timed(R, drafted, n, n / R * (1.5 if total[0] // 8000 % 2 else 0.5) if drafted else 1.0)
+            timed(R, drafted, n, n / R * (0.5 if total[0] < 8000 else 3.0) if drafted else 1.0)
 
         gate.timed = fake_timed
         measured, verdicts = gate.measured, []  # the measured verdicts the gate drew

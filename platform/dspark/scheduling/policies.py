@@ -183,20 +183,31 @@ class DraftGate:
     The measurement: the decoder reports what each round took (`timed`: tokens emitted, and seconds
     without the part of the drafter's catch-up that reads positions of earlier plain rounds or new
     prompts, which is the probe's price above; reading the previous drafted round's tokens is part of
-    drafting). Once `min_rounds` drafted and `min_rounds` plain rounds were timed at R, and their tokens/s
-    differ by more than `z` standard errors of the difference (`RoundTimes`: a drafted round's tokens vary
-    from 1 to gamma + 1 per request, and a few lucky or unlucky rounds must not decide), drafting goes on
-    while drafted rounds emit more tokens per second than plain ones, whatever the model predicts: a
-    profiled cost curve taken on another thread count or load, overheads it does not price, or a policy
-    that verifies other lengths than the static ones the model assumes cannot make drafting lose for long.
-    While the difference is within the noise, the model decides, its rounds priced with the measured
-    cost of a plain round beyond the profiled forward pass (`overhead_s`). While drafting, a plain round is timed
-    every other drafted round until there are `min_rounds` of them, then every `max_interval`-th (every
-    other round for max_interval <= 2)."""
+    drafting; `RoundTimes`, over the last `window` or so rounds of each kind). Once `min_rounds` drafted
+    and `min_rounds` plain rounds were timed at R, drafting goes on unless drafted rounds are shown to emit
+    fewer tokens per second than plain ones, by more than `z` standard errors of the difference, whatever
+    the model predicts: a profiled cost curve taken on another thread count or load, overheads it does not
+    price, or a policy that verifies other lengths than the static ones the model assumes cannot make
+    drafting lose for long, and a few unlucky drafted rounds (a drafted round emits 1 to gamma + 1 tokens
+    per request) cannot stop drafting that pays: within the noise the gate drafts, and so measures more.
+    Until then the model decides, its rounds priced with the measured cost of a plain round beyond the
+    profiled forward pass (`overhead_s`). While drafting, a plain round is timed every other drafted round
+    until there are `min_rounds` of them, then every `max_interval`-th (every other round for
+    max_interval <= 2)."""
 
-    def __init__(self, sps: SPSTable, gamma: int, max_interval: int, weight=0.1, overhead=0.02, min_rounds=4, z=2.0):
+    def __init__(
+        self,
+        sps: SPSTable,
+        gamma: int,
+        max_interval: int,
+        weight=0.1,
+        overhead=0.02,
+        min_rounds=4,
+        z=2.0,
+        window=200,
+    ):
         self.sps, self.max_interval, self.weight, self.overhead = sps, max_interval, weight, overhead
-        self.min_rounds, self.z = min_rounds, z
+        self.min_rounds, self.z, self.window = min_rounds, z, window
         self.alpha = np.zeros(gamma)
         self.rounds = np.zeros(gamma)  # drafted rounds that measured alpha_j
         self.seen = False  # a drafted round has been observed
@@ -225,15 +236,13 @@ class DraftGate:
         return False
 
     def measured(self, R: int) -> bool | None:
-        """Whether drafted rounds at R emit more tokens/s than plain ones, when both were timed `min_rounds`
-        times and the rates differ by more than `z` standard errors; else None (not known yet)."""
+        """Once drafted and plain rounds at R were each timed `min_rounds` times: False when drafted ones
+        emit fewer tokens/s by more than `z` standard errors of the difference, else True; before, None."""
         drafted, plain = self.rounds_timed.get((R, True)), self.rounds_timed.get((R, False))
         if drafted is None or plain is None or min(drafted.n, plain.n) < self.min_rounds:
             return None
-        diff = drafted.rate - plain.rate
-        if abs(diff) <= self.z * math.hypot(drafted.rate_se(self.weight), plain.rate_se(self.weight)):
-            return None
-        return diff > 0
+        se = math.hypot(drafted.rate_se(1 / self.window), plain.rate_se(1 / self.window))
+        return drafted.rate - plain.rate + self.z * se > 0
 
     def drafting_pays(self, R: int) -> bool:
         """The measured verdict at R where there is one, else the model (`draft_pays` with the measured
@@ -278,7 +287,7 @@ class DraftGate:
         """A round of R requests emitted `tokens` in `seconds` (its catch-up excluded); drafted or plain."""
         if seconds <= 0:
             return
-        self.rounds_timed.setdefault((R, drafted), RoundTimes()).add(tokens, seconds, self.weight)
+        self.rounds_timed.setdefault((R, drafted), RoundTimes()).add(tokens, seconds, 1 / self.window)
         if not drafted:
             self.pays.pop(R, None)  # o(R) moved
         self.since_plain[R] = self.since_plain.get(R, 0) + 1 if drafted else 0
