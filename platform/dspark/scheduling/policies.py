@@ -142,13 +142,13 @@ class RoundTimes:
     with n_eff = n during the running mean and (2 - weight) / weight after (an exponential mean's
     variance is weight / (2 - weight) of one round's)."""
 
-    def __init__(self):
-        self.n = 0
+    def __init__(self, weight: float):
+        self.weight, self.n = weight, 0
         self.t = self.s = self.tt = self.ss = self.ts = 0.0
 
-    def add(self, tokens: float, seconds: float, weight: float) -> None:
+    def add(self, tokens: float, seconds: float) -> None:
         self.n += 1
-        a = max(weight, 1 / self.n)
+        a = max(self.weight, 1 / self.n)
         for name, x in (("t", tokens), ("s", seconds), ("tt", tokens**2), ("ss", seconds**2), ("ts", tokens * seconds)):
             setattr(self, name, getattr(self, name) + a * (x - getattr(self, name)))
 
@@ -156,10 +156,11 @@ class RoundTimes:
     def rate(self) -> float:
         return self.t / self.s if self.n else 0.0
 
-    def rate_se(self, weight: float) -> float:
+    def rate_se(self) -> float:
         if self.n < 2:
             return math.inf
-        n_eff = self.n if self.n <= 1 / weight else (2 - weight) / weight
+        w = self.weight
+        n_eff = self.n if self.n <= 1 / w else (2 - w) / w
         bessel = n_eff / (n_eff - 1)  # the sample moments' bias
         var_t, var_s = (self.tt - self.t**2) * bessel, (self.ss - self.s**2) * bessel
         cov = (self.ts - self.t * self.s) * bessel
@@ -241,7 +242,7 @@ class DraftGate:
         drafted, plain = self.rounds_timed.get((R, True)), self.rounds_timed.get((R, False))
         if drafted is None or plain is None or min(drafted.n, plain.n) < self.min_rounds:
             return None
-        se = math.hypot(drafted.rate_se(1 / self.window), plain.rate_se(1 / self.window))
+        se = math.hypot(drafted.rate_se(), plain.rate_se())
         return drafted.rate - plain.rate + self.z * se > 0
 
     def drafting_pays(self, R: int) -> bool:
@@ -287,7 +288,7 @@ class DraftGate:
         """A round of R requests emitted `tokens` in `seconds` (its catch-up excluded); drafted or plain."""
         if seconds <= 0:
             return
-        self.rounds_timed.setdefault((R, drafted), RoundTimes()).add(tokens, seconds, 1 / self.window)
+        self.rounds_timed.setdefault((R, drafted), RoundTimes(1 / self.window)).add(tokens, seconds)
         if not drafted:
             self.pays.pop(R, None)  # o(R) moved
         self.since_plain[R] = self.since_plain.get(R, 0) + 1 if drafted else 0
