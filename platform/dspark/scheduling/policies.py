@@ -133,6 +133,12 @@ def draft_pays(alpha: np.ndarray, R: int, sps: SPSTable, overhead_s: float = 0.0
     return draft_rate(alpha, R, sps, overhead_s) > rate(R, R, sps, overhead_s)
 
 
+def running_average(old: float, n: int, x: float, weight: float) -> float:
+    """The n-th value x into an average: the running mean for the first 1 / weight values, then the
+    exponential average with `weight`."""
+    return old + max(weight, 1 / n) * (x - old)
+
+
 class RoundTimes:
     """What rounds of one kind took: tokens t and seconds s per round, their means, mean squares and mean
     product, each the running mean for the first 1 / weight rounds, then exponential (weight). The rate
@@ -148,9 +154,10 @@ class RoundTimes:
 
     def add(self, tokens: float, seconds: float) -> None:
         self.n += 1
-        a = max(self.weight, 1 / self.n)
-        for name, x in (("t", tokens), ("s", seconds), ("tt", tokens**2), ("ss", seconds**2), ("ts", tokens * seconds)):
-            setattr(self, name, getattr(self, name) + a * (x - getattr(self, name)))
+        n, w = self.n, self.weight
+        self.t, self.s = running_average(self.t, n, tokens, w), running_average(self.s, n, seconds, w)
+        self.tt, self.ss = running_average(self.tt, n, tokens**2, w), running_average(self.ss, n, seconds**2, w)
+        self.ts = running_average(self.ts, n, tokens * seconds, w)
 
     @property
     def rate(self) -> float:
@@ -269,10 +276,6 @@ class DraftGate:
         probe_s = self.sps.catch_up_time(behind) + self.sps.draft_time(R)
         return math.ceil(probe_s * self.sps(R) / self.overhead)
 
-    def _average(self, old: float, n: int, x: float) -> float:
-        """The running mean for the first 1 / weight values, then the exponential average."""
-        return old + max(self.weight, 1 / n) * (x - old)
-
     def observe(self, verified: list[int], accepted: list[int]) -> None:
         """A drafted round: request r verified verified[r] drafts and accepted accepted[r] of them."""
         l, n = np.asarray(verified), np.asarray(accepted)
@@ -282,7 +285,9 @@ class DraftGate:
             reached = (l > j) & (n >= j)  # position j was verified and every draft before it accepted
             if reached.any():
                 self.rounds[j] += 1
-                self.alpha[j] = self._average(self.alpha[j], self.rounds[j], float((n[reached] > j).mean()))
+                self.alpha[j] = running_average(
+                    self.alpha[j], self.rounds[j], float((n[reached] > j).mean()), self.weight
+                )
 
     def timed(self, R: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A round of R requests emitted `tokens` in `seconds` (its catch-up excluded); drafted or plain."""
