@@ -9,10 +9,15 @@ Seeded (reproducible) sampling uses the Gumbel-max trick with noise keyed by (se
 x_t is an exact sample of p_t, and it is a deterministic function of the seed and the prefix, so a
 seeded request's output never depends on the drafter, the verification lengths or the batch. The
 drafter proposes with the same noise (argmax of log q_t + g_t), so verification is "accept iff the
-draft equals the target's perturbed argmax" (the greedy rule on perturbed scores)."""
+draft equals the target's perturbed argmax" (the greedy rule on perturbed scores).
+It is computed as the equivalent exponential race: with g = -log E, E_{t,v} = -log u_{t,v} ~ Exp(1),
+    x_t = argmax_v  p_t(v) / E_{t,v}   (the first of independent clocks E_v / p_v to ring),
+one logarithm over the vocabulary per position instead of three, and a position's clocks are drawn once
+for the drafter's proposal and the target's verification of the same position (`race_times`)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -89,20 +94,21 @@ def _mix(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-def gumbel(seed: int, first: int, n: int, vocab: int) -> torch.Tensor:
-    """(n, V) float64 Gumbel(0, 1) noise for output positions first .. first+n-1 of a seeded request."""
-    u = torch.stack(
-        [
-            torch.rand(vocab, generator=torch.Generator().manual_seed(_mix(seed, first + i)), dtype=torch.float64)
-            for i in range(n)
-        ]
-    )
-    return -torch.log(-torch.log(u))  # u = 0 gives -inf: that token is never chosen (probability 2^-53)
+@functools.lru_cache(maxsize=128)  # a round's positions (R x (gamma + 1)), reused by its verification
+def _race_time(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """(V,) float64 Exp(1) clocks of one output position of a seeded request (read-only: it is cached)."""
+    u = torch.rand(vocab, generator=torch.Generator().manual_seed(_mix(seed, position)), dtype=torch.float64)
+    return -torch.log(u)  # u = 0 gives inf: that token is never chosen (probability 2^-53)
 
 
-def perturbed(p: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """log p + g: its argmax is an exact sample of p (Gumbel-max); p (n, V), noise (n, V)."""
-    return p.to("cpu", torch.float64).log() + noise
+def race_times(seed: int, first: int, n: int, vocab: int) -> torch.Tensor:
+    """(n, V) float64 Exp(1) clocks E for output positions first .. first+n-1 of a seeded request."""
+    return torch.stack([_race_time(seed, first + i, vocab) for i in range(n)])
+
+
+def race_winner(p: torch.Tensor, times: torch.Tensor) -> torch.Tensor:
+    """argmax_v p_v / E_v per row, an exact sample of p (Gumbel-max, g = -log E); p (n, V), times (n, V)."""
+    return (p.to("cpu", torch.float64) / times).argmax(-1)
 
 
 def inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -153,10 +159,10 @@ class BatchSampler:
             toks = torch.zeros(len(self.params), dtype=torch.long)
             if plain:
                 toks[plain] = inverse_cdf(rows[plain], u[plain])
-            # Gumbel-max with the noise of each keyed request's output position (at the given ids)
+            # Gumbel-max with the clocks of each keyed request's output position (at the given ids)
             full = vocab if ids is not None else rows.shape[-1]
-            noise = torch.cat([gumbel(self.keys[r][0], self.keys[r][1] + self.calls, 1, full) for r in keyed])
-            toks[keyed] = perturbed(rows[keyed], noise if ids is None else noise[:, ids.cpu()]).argmax(-1)
+            times = torch.cat([race_times(self.keys[r][0], self.keys[r][1] + self.calls, 1, full) for r in keyed])
+            toks[keyed] = race_winner(rows[keyed], times if ids is None else times[:, ids.cpu()])
         self.calls += 1
         toks = toks.to(rows.device)
         return (toks if ids is None else ids.to(rows.device)[toks]), rows

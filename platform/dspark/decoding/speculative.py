@@ -30,7 +30,7 @@ import torch
 from dspark.calibration import sts
 from dspark.calibration.sts import Calibration
 from dspark.decoding.runner import TargetRunner
-from dspark.decoding.sampling import BatchSampler, SamplingParams, batch_probs, gumbel, perturbed
+from dspark.decoding.sampling import BatchSampler, SamplingParams, batch_probs, race_times, race_winner
 from dspark.decoding.verify import verify_choices, verify_sampled
 from dspark.errors import UserError
 from dspark.models.drafter import Drafter, DraftState
@@ -350,9 +350,9 @@ class SpeculativeDecoder:
         seeded = [i for i, r in enumerate(reqs) if r.reproducible and not r.sp.greedy]
         if seeded:  # the greedy rule on the perturbed scores, noise keyed by (seed, output position) (sampling.py)
             rows = torch.cat([torch.arange(first[i], first[i] + lengths[i] + 1) for i in seeded])
-            noise = torch.cat([gumbel(reqs[i].seed, len(reqs[i].out), lengths[i] + 1, p.shape[-1]) for i in seeded])
+            times = torch.cat([race_times(reqs[i].seed, len(reqs[i].out), lengths[i] + 1, p.shape[-1]) for i in seeded])
             choice = torch.zeros(len(p), dtype=torch.long)
-            choice[rows] = perturbed(p[rows], noise).argmax(-1)
+            choice[rows] = race_winner(p[rows], times)
             idx = torch.tensor(seeded)
             n[idx], y[idx] = verify_choices(drafts[idx], l[idx], choice, first[idx])
         return n.tolist(), y.tolist()
