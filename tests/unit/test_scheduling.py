@@ -253,6 +253,27 @@ def test_the_model_prices_the_measured_cost_of_a_round_beyond_its_forward_pass()
     assert gate.measured(1) is None and gate.drafting_pays(1)  # no drafted rounds timed: the model, with o
 
 
+def test_each_batch_size_keeps_its_probes_and_prices_them_by_what_drafting_lost():
+    """Where drafting does not pay, probes wait 1, 2, 4, .. max_interval skipped rounds at that R, also when
+    rounds at another R, where it pays, come between; once both kinds of round were timed at R, a probe
+    is priced by what a drafted round took beyond emitting its tokens at the plain rate."""
+    sps = SPSTable([1, 64], [100.0, 100.0], draft_batch=[1, 2], draft_s=[0.0001, 0.03])
+    gate = DraftGate(sps, gamma=4, max_interval=8, overhead=math.inf)
+    gate.observe([4], [1])  # alpha = (1, 0, ..): drafting pays at R = 1 (cheap), not at R = 2 (3 steps)
+    decisions = []
+    for _ in range(16):
+        decisions.append(gate(2))
+        assert gate(1)  # a round of one request between: it drafts
+    assert decisions == [False, True, False, False, True] + [False] * 4 + [True] + [False] * 6
+    priced = DraftGate(SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.01]), 4, 1000, overhead=0.5)
+    priced.observe([4], [0])
+    assert priced.probe_gap(1) == 2  # the profile: t_d = 10 ms over half of a 10 ms plain round
+    for _ in range(4):
+        priced.timed(1, False, 1, 0.25)  # plain rounds: 4 tokens/s
+        priced.timed(1, True, 2, 1.5)  # drafted ones: 2 tokens in 1.5 s, 1 s more than at the plain rate
+    assert priced.probe_gap(1) == 8  # 1 s over half of 0.25 s
+
+
 def test_drafting_pays_at_low_load_and_not_at_high_load():
     """Verification is flat up to B = 16 then bandwidth-bound; a drafting round costs one target step.
     Acceptance 0.8 per position: at R = 1 drafting pays; at R = 64 every verified token costs its

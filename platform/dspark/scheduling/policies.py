@@ -182,9 +182,11 @@ class DraftGate:
     rounds that verified position j, exponential (`weight`) once there are more than 1 / weight of them
     (a position never verified counts as 0): one lucky first probe moves it no more than its share. A
     round drafts while `draft_pays`; otherwise it does not, except for probes that re-measure alpha after
-    1, 2, 4, .. `max_interval` skipped rounds, and never sooner than `probe_gap`: a probe (the drafter's
-    catch-up over the positions it has not read, and its drafting round) costs at most `overhead` of the
-    plain rounds before it. A drafted round that verified nothing (the policy found no draft worth its
+    1, 2, 4, .. `max_interval` skipped rounds at that R (each R keeps its own count: a batch size where
+    drafting pays does not restart the probes of one where it does not), and never sooner than
+    `probe_gap`: a probe (the drafter's catch-up over the positions it has not read, and its drafting
+    round, priced by what drafted rounds at R were measured to lose) costs at most `overhead` of the plain
+    rounds before it. A drafted round that verified nothing (the policy found no draft worth its
     verification) also stops drafting until the next probe. Before any drafted round there is nothing to
     predict from: draft. max_interval = 0: draft every round.
 
@@ -220,7 +222,8 @@ class DraftGate:
         self.rounds = np.zeros(gamma)  # drafted rounds that measured alpha_j
         self.seen = False  # a drafted round has been observed
         self.idle = False  # the latest drafted round verified nothing
-        self.interval, self.skipped = 1, 0
+        self.interval: dict[int, int] = {}  # R -> plain rounds the next probe at R waits: 1, 2, 4, .. max_interval
+        self.skipped: dict[int, int] = {}  # R -> plain rounds at R since its last drafted round
         self.pays: dict[int, bool] = {}  # draft_pays(alpha, R, o(R)) by R, until alpha or o(R) next changes
         self.rounds_timed: dict[tuple[int, bool], RoundTimes] = {}  # (R, drafted) -> what those rounds took
         self.since_plain: dict[int, int] = {}  # R -> drafted rounds since a plain round was timed at R
@@ -229,18 +232,18 @@ class DraftGate:
         """Draft this round for R requests? `behind`: context positions the drafter has not read yet (it
         reads them first, t_e each)."""
         if self.max_interval == 0 or not self.seen:
-            self.interval, self.skipped = 1, 0
             return True
         if not self.idle and self.drafting_pays(R):
-            self.interval, self.skipped = 1, 0
+            self.interval[R], self.skipped[R] = 1, 0
             timed_plain = self.speed(R, False)[1]
             if self.since_plain.get(R, 0) >= (2 if timed_plain < self.min_rounds else self.max_interval):
                 return False  # a plain round, timed: what drafting is compared with
             return True
-        if self.skipped >= min(self.max_interval, max(self.interval, self.probe_gap(R, behind))):  # a probe
-            self.interval, self.skipped = min(2 * self.interval, self.max_interval), 0
+        interval, skipped = self.interval.get(R, 1), self.skipped.get(R, 0)
+        if skipped >= min(self.max_interval, max(interval, self.probe_gap(R, behind))):  # a probe
+            self.interval[R], self.skipped[R] = min(2 * interval, self.max_interval), 0
             return True
-        self.skipped += 1
+        self.skipped[R] = skipped + 1
         return False
 
     def measured(self, R: int) -> bool | None:
@@ -272,9 +275,16 @@ class DraftGate:
 
     def probe_gap(self, R: int, behind: int = 0) -> int:
         """Plain rounds a probe waits at least: its catch-up and drafting round cost at most `overhead` of
-        them, t_e * behind + t_d(R) <= overhead * gap / SPS(R)."""
-        probe_s = self.sps.catch_up_time(behind) + self.sps.draft_time(R)
-        return math.ceil(probe_s * self.sps(R) / self.overhead)
+        them, t_e * behind + loss(R) <= overhead * gap * s(R), with s(R) what a plain round takes (measured,
+        else 1/SPS(R)) and loss(R) what a drafted round takes beyond emitting its tokens at the plain rate,
+        s_d - t_d / rate_plain (measured once both kinds were timed `min_rounds` times, else t_d(R))."""
+        drafted, plain = self.rounds_timed.get((R, True)), self.rounds_timed.get((R, False))
+        round_s, loss_s = 1.0 / self.sps(R), self.sps.draft_time(R)
+        if plain is not None and plain.n >= self.min_rounds:
+            round_s = plain.s
+            if drafted is not None and drafted.n >= self.min_rounds:
+                loss_s = max(drafted.s - drafted.t / plain.rate, 0.0)
+        return math.ceil((self.sps.catch_up_time(behind) + loss_s) / (self.overhead * round_s))
 
     def observe(self, verified: list[int], accepted: list[int]) -> None:
         """A drafted round: request r verified verified[r] drafts and accepted accepted[r] of them."""
