@@ -213,7 +213,7 @@ class DraftGate:
         weight=0.1,
         overhead=0.02,
         min_rounds=4,
-        z=2.0,
+        z=1.0,
         window=200,
     ):
         self.sps, self.max_interval, self.weight, self.overhead = sps, max_interval, weight, overhead
