@@ -292,7 +292,7 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
             return [0] * R if next(calls) % 2 == 0 else [g] * R
 
     if kind in ("gap", "catch-up"):  # gap: probe_gap(R) = ceil(0.2 s x SPS(R) / 6.0): 3-4 plain rounds
-        gate = policies.DraftGate(cost, 4, max_interval=4 if kind == "gap" else 8, overhead=6.0)
+        gate = policies.DraftGate(cost, 4, max_interval=4 if kind == "gap" else 8, overhead=6.0, min_rounds=0)
     elif kind == "timed":
         cost, policy = KNEE, policies.make_policy("greedy", KNEE)  # the model alone: drafting always pays
         gate = policies.DraftGate(cost, 4, max_interval=4, min_rounds=2)
@@ -307,8 +307,8 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         measured, verdicts = gate.measured, []  # the measured verdicts the gate drew
         gate.measured = lambda R: verdicts.append(measured(R)) or verdicts[-1]
     else:
-        gate = policies.DraftGate(cost, 4, max_interval=1)
-    if kind != "timed":  # the model's decisions alone: the wall clock must not steer a test
+        gate = policies.DraftGate(cost, 4, max_interval=1, min_rounds=0)
+    if kind != "timed":  # the model's decisions alone (min_rounds 0): the wall clock must not steer a test
         gate.timed = lambda R, drafted, tokens, seconds: None
     dec = SpeculativeDecoder(model, PerturbedTarget(model, 4), gamma=4, policy=policy, max_slots=256, gate=gate)
     behind = []  # what the gate was told before each round: positions the drafter had not read

@@ -253,6 +253,30 @@ def test_the_model_prices_the_measured_cost_of_a_round_beyond_its_forward_pass()
     assert gate.measured(1) is None and gate.drafting_pays(1)  # no drafted rounds timed: the model, with o
 
 
+def drafted_rounds_timed(gate: DraftGate, R: int) -> None:
+    """`min_rounds` drafted rounds timed at R (plain ones not): the model decides, and probes follow their
+    schedule rather than every other round; no timed plain round is due yet."""
+    for _ in range(gate.min_rounds):
+        gate.timed(R, True, 2 * R, 0.04)
+    gate.since_plain[R] = 0
+
+
+def test_until_drafted_rounds_were_timed_at_r_every_other_round_drafts():
+    """However little the model expects of drafting, a batch size gets its `min_rounds` timed drafted rounds
+    at once (every other round), so that the measurement, not a few early rounds' alpha, decides; then the
+    probes wait their price."""
+    sps = SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.03])  # the model: drafting does not pay
+    gate = DraftGate(sps, gamma=4, max_interval=1000, overhead=0.02)
+    gate.observe([4], [1])
+    assert not gate.drafting_pays(1) and gate.probe_gap(1) == 150
+    decisions = []
+    for _ in range(60):
+        decisions.append(gate(1))
+        gate.timed(1, decisions[-1], 2 if decisions[-1] else 1, 0.04 if decisions[-1] else 0.01)
+    # 4 drafted rounds at 50 tokens/s against 100: shown to lose; the next probe waits 0.02 s / (2% of 0.01 s)
+    assert decisions[:8] == [False, True] * 4 and not any(decisions[8:]) and gate.probe_gap(1) == 100
+
+
 def test_each_batch_size_keeps_its_probes_and_prices_them_by_what_drafting_lost():
     """Where drafting does not pay, probes wait 1, 2, 4, .. max_interval skipped rounds at that R, also when
     rounds at another R, where it pays, come between; once both kinds of round were timed at R, a probe
@@ -260,6 +284,7 @@ def test_each_batch_size_keeps_its_probes_and_prices_them_by_what_drafting_lost(
     sps = SPSTable([1, 64], [100.0, 100.0], draft_batch=[1, 2], draft_s=[0.0001, 0.03])
     gate = DraftGate(sps, gamma=4, max_interval=8, overhead=math.inf)
     gate.observe([4], [1])  # alpha = (1, 0, ..): drafting pays at R = 1 (cheap), not at R = 2 (3 steps)
+    drafted_rounds_timed(gate, 2)
     decisions = []
     for _ in range(16):
         decisions.append(gate(2))
@@ -292,6 +317,7 @@ def test_draft_gate_skips_probes_and_resumes():
     gate = DraftGate(sps, gamma=4, max_interval=4, overhead=math.inf)  # probes not held back by their cost
     assert gate(1)  # nothing measured yet: draft
     gate.observe([4], [1])  # alpha = (1, 0, ..): tau 2 for 4 step-times of work
+    drafted_rounds_timed(gate, 1)
     decisions = [gate(1) for _ in range(16)]
     # probes after 1, 2, 4, 4, .. skipped rounds
     assert decisions[:13] == [False, True, False, False, True] + [False] * 4 + [True] + [False] * 3
@@ -306,9 +332,11 @@ def test_draft_gate_skips_probes_and_resumes():
     bounded = DraftGate(sps, gamma=4, max_interval=1000, overhead=0.02)
     assert bounded(1) and bounded.probe_gap(1) == 150
     bounded.observe([4], [1])
+    drafted_rounds_timed(bounded, 1)
     assert [bounded(1) for _ in range(151)] == [False] * 150 + [True]
     cheap = DraftGate(SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.0001]), 4, 1000)
     cheap.observe([4], [0])
+    drafted_rounds_timed(cheap, 1)
     assert [cheap(1) for _ in range(5)] == [False, True, False, False, True]  # a cheap probe: 1, 2, 4, ..
     # a lucky first round counts as one of two, not as the truth: the mean until 1 / weight rounds, then EMA
     lucky = DraftGate(sps, 4, 1000)
@@ -322,6 +350,7 @@ def test_draft_gate_skips_probes_and_resumes():
     behind = DraftGate(SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.03], extend_s=1e-4), 4, 1000)
     assert behind.probe_gap(1, 0) == 150 and behind.probe_gap(1, 200) == 250
     behind.observe([4], [1])
+    drafted_rounds_timed(behind, 1)
     assert [behind(1, 200) for _ in range(251)] == [False] * 250 + [True]
     always = DraftGate(sps, gamma=4, max_interval=0)
     always.observe([0], [0])

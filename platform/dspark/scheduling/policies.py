@@ -188,7 +188,9 @@ class DraftGate:
     round, priced by what drafted rounds at R were measured to lose) costs at most `overhead` of the plain
     rounds before it. A drafted round that verified nothing (the policy found no draft worth its
     verification) also stops drafting until the next probe. Before any drafted round there is nothing to
-    predict from: draft. max_interval = 0: draft every round.
+    predict from: draft. Until `min_rounds` drafted rounds were timed at R, every other round at R is a
+    probe, so that the measurement below, not the alpha of a few early rounds, soon decides there.
+    max_interval = 0: draft every round.
 
     The measurement: the decoder reports what each round took (`timed`: tokens emitted, and seconds
     without the part of the drafter's catch-up that reads positions of earlier plain rounds or new
@@ -240,7 +242,11 @@ class DraftGate:
                 return False  # a plain round, timed: what drafting is compared with
             return True
         interval, skipped = self.interval.get(R, 1), self.skipped.get(R, 0)
-        if skipped >= min(self.max_interval, max(interval, self.probe_gap(R, behind))):  # a probe
+        if self.speed(R, True)[1] < self.min_rounds:  # too few drafted rounds timed at R: every other round
+            wait = 1
+        else:
+            wait = min(self.max_interval, max(interval, self.probe_gap(R, behind)))
+        if skipped >= wait:  # a probe
             self.interval[R], self.skipped[R] = min(2 * interval, self.max_interval), 0
             return True
         self.skipped[R] = skipped + 1
