@@ -101,9 +101,9 @@ def _race_time(seed: int, position: int, vocab: int) -> torch.Tensor:
     return -torch.log(u)  # u = 0 gives inf: that token is never chosen (probability 2^-53)
 
 
-def race_times(seed: int, first: int, n: int, vocab: int) -> torch.Tensor:
-    """(n, V) float64 Exp(1) clocks E for output positions first .. first+n-1 of a seeded request."""
-    return torch.stack([_race_time(seed, first + i, vocab) for i in range(n)])
+def race_times(keys: list[tuple[int, int]], vocab: int) -> torch.Tensor:
+    """(n, V) float64 Exp(1) clocks E, row i for the (seed, output position) keys[i] of a seeded request."""
+    return torch.stack([_race_time(seed, position, vocab) for seed, position in keys])
 
 
 def race_winner(p: torch.Tensor, times: torch.Tensor) -> torch.Tensor:
@@ -161,7 +161,7 @@ class BatchSampler:
                 toks[plain] = inverse_cdf(rows[plain], u[plain])
             # Gumbel-max with the clocks of each keyed request's output position (at the given ids)
             full = vocab if ids is not None else rows.shape[-1]
-            times = torch.cat([race_times(self.keys[r][0], self.keys[r][1] + self.calls, 1, full) for r in keyed])
+            times = race_times([(self.keys[r][0], self.keys[r][1] + self.calls) for r in keyed], full)
             toks[keyed] = race_winner(rows[keyed], times if ids is None else times[:, ids.cpu()])
         self.calls += 1
         toks = toks.to(rows.device)

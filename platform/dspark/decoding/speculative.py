@@ -350,7 +350,8 @@ class SpeculativeDecoder:
         seeded = [i for i, r in enumerate(reqs) if r.reproducible and not r.sp.greedy]
         if seeded:  # the greedy rule on the perturbed scores, noise keyed by (seed, output position) (sampling.py)
             rows = torch.cat([torch.arange(first[i], first[i] + lengths[i] + 1) for i in seeded])
-            times = torch.cat([race_times(reqs[i].seed, len(reqs[i].out), lengths[i] + 1, p.shape[-1]) for i in seeded])
+            keys = [(reqs[i].seed, len(reqs[i].out) + k) for i in seeded for k in range(lengths[i] + 1)]  # as `rows`
+            times = race_times(keys, p.shape[-1])
             choice = torch.zeros(len(p), dtype=torch.long)
             choice[rows] = race_winner(p[rows], times)
             idx = torch.tensor(seeded)

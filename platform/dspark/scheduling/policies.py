@@ -242,9 +242,8 @@ class DraftGate:
                 return False  # a plain round, timed: what drafting is compared with
             return True
         interval, skipped = self.interval.get(R, 1), self.skipped.get(R, 0)
-        if self.speed(R, True)[1] < self.min_rounds:  # too few drafted rounds timed at R: every other round
-            wait = 1
-        else:
+        wait = 1  # too few drafted rounds timed at R: every other round
+        if self.speed(R, True)[1] >= self.min_rounds:
             wait = min(self.max_interval, max(interval, self.probe_gap(R, behind)))
         if skipped >= wait:  # a probe
             self.interval[R], self.skipped[R] = min(2 * interval, self.max_interval), 0
@@ -252,11 +251,16 @@ class DraftGate:
         self.skipped[R] = skipped + 1
         return False
 
+    def enough(self, R: int, drafted: bool) -> Optional[RoundTimes]:
+        """What rounds of this kind at R took, once `min_rounds` of them were timed; else None."""
+        times = self.rounds_timed.get((R, drafted))
+        return times if times is not None and times.n >= self.min_rounds else None
+
     def measured(self, R: int) -> bool | None:
         """Once drafted and plain rounds at R were each timed `min_rounds` times: False when drafted ones
         emit fewer tokens/s by more than `z` standard errors of the difference, else True; before, None."""
-        drafted, plain = self.rounds_timed.get((R, True)), self.rounds_timed.get((R, False))
-        if drafted is None or plain is None or min(drafted.n, plain.n) < self.min_rounds:
+        drafted, plain = self.enough(R, True), self.enough(R, False)
+        if drafted is None or plain is None:
             return None
         se = math.hypot(drafted.rate_se(), plain.rate_se())
         return drafted.rate - plain.rate + self.z * se > 0
@@ -274,22 +278,19 @@ class DraftGate:
     def overhead_s(self, R: int) -> float:
         """o(R): what a plain round at R took beyond its profiled forward pass, 1/SPS(R), once `min_rounds`
         were timed (else 0): the engine's own work per round, which drafting spreads over more tokens."""
-        plain = self.rounds_timed.get((R, False))
-        if plain is None or plain.n < self.min_rounds:
-            return 0.0
-        return max(plain.s - 1.0 / self.sps(R), 0.0)
+        plain = self.enough(R, False)
+        return 0.0 if plain is None else max(plain.s - 1.0 / self.sps(R), 0.0)
 
     def probe_gap(self, R: int, behind: int = 0) -> int:
         """Plain rounds a probe waits at least: its catch-up and drafting round cost at most `overhead` of
         them, t_e * behind + loss(R) <= overhead * gap * s(R), with s(R) what a plain round takes (measured,
         else 1/SPS(R)) and loss(R) what a drafted round takes beyond emitting its tokens at the plain rate,
         s_d - t_d / rate_plain (measured once both kinds were timed `min_rounds` times, else t_d(R))."""
-        drafted, plain = self.rounds_timed.get((R, True)), self.rounds_timed.get((R, False))
-        round_s, loss_s = 1.0 / self.sps(R), self.sps.draft_time(R)
-        if plain is not None and plain.n >= self.min_rounds:
-            round_s = plain.s
-            if drafted is not None and drafted.n >= self.min_rounds:
-                loss_s = max(drafted.s - drafted.t / plain.rate, 0.0)
+        drafted, plain = self.enough(R, True), self.enough(R, False)
+        round_s = 1.0 / self.sps(R) if plain is None else plain.s
+        loss_s = self.sps.draft_time(R)
+        if drafted is not None and plain is not None:
+            loss_s = max(drafted.s - drafted.t / plain.rate, 0.0)
         return math.ceil((self.sps.catch_up_time(behind) + loss_s) / (self.overhead * round_s))
 
     def observe(self, verified: list[int], accepted: list[int]) -> None:
