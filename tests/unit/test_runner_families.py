@@ -10,11 +10,13 @@ import torch
 import transformers
 from tiny_models import CONFIGS, TINY, tiny_model
 
+from dspark import target as targets
 from dspark.decoding.runner import FAMILIES, TargetRunner
 from dspark.errors import UserError
+from dspark.target import packed
 
 
-def check_against_hf(model, seqs: list[torch.Tensor], tol: float) -> None:
+def check_against_hf(model, seqs: list[torch.Tensor], tol: float) -> TargetRunner:
     """Three requests through one runner, each phase compared with the model's full-sequence forward."""
 
     def ref(seq):
@@ -45,6 +47,13 @@ def check_against_hf(model, seqs: list[torch.Tensor], tol: float) -> None:
     third = r.forward(slots[::2], new)
     for i, (s, k, extra) in enumerate(zip(seqs[::2], keep, new)):
         same(third.logits[i], ref(torch.cat([s[:k], extra]))[0][k:])
+    # (d) every request appends 2 tokens (the uniform case: no padding of the queries)
+    seqs = [torch.cat([s[:k], extra]) for s, k, extra in zip(seqs[::2], keep, new)] + [seqs[1]]
+    new = [torch.randint(0, model.config.vocab_size, (2,), generator=g) for _ in seqs]
+    fourth = r.forward(slots[::2] + slots[1:2], new)
+    for i, (s, extra) in enumerate(zip(seqs, new)):
+        same(fourth.logits[i], ref(torch.cat([s, extra]))[0][len(s) :])
+    return r
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -54,6 +63,20 @@ def test_runner_equals_hf_forward(family):
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, TINY["vocab_size"], (n,), generator=g) for n in (11, 4, 14)]
     check_against_hf(model, seqs, 1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_a_packed_bf16_runner_runs_stacked_projections_and_equals_hf_forward(family):
+    """A bf16 target on a CPU that multiplies bf16 natively (target.cpu_prepack): the runner reads q, k, v
+    and gate, up as one packed product each; its logits stay the HF forward's up to bf16 rounding."""
+    if not targets.native_bf16("cpu"):
+        pytest.skip("this CPU emulates bf16: nothing is packed")
+    model = tiny_model(family).to(torch.bfloat16)
+    assert packed.prepack(model) > 0
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, TINY["vocab_size"], (n,), generator=g) for n in (11, 4, 14)]
+    r = check_against_hf(model, seqs, 0.05)
+    assert all(type(m) is packed.PackedLinear for m in r.qkv + r.gate_up)
 
 
 def test_every_supported_family_is_tested():

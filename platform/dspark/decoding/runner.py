@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.errors import UserError
+from dspark.target.packed import PackedLinear
 
 
 @dataclass
@@ -79,8 +80,10 @@ class _Ragged:
     row: torch.Tensor  # (Ttot,) the request of each token
     col: torch.Tensor  # (Ttot,) its index among its request's new tokens
     pos: torch.Tensor  # (Ttot,) its position in its sequence
+    slot: torch.Tensor  # (Ttot,) its slot: slots[row]
     nmax: int  # most new tokens of one request
     L: int  # longest sequence after this forward
+    uniform: bool  # every request appends nmax tokens: the Ttot tokens are (R, nmax) as they lie
 
 
 def _mask(j: torch.Tensor, qpos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -122,6 +125,11 @@ class TargetRunner:
         self.v = [torch.zeros_like(t) for t in self.k]
         self.lengths = [0] * max_slots
         self.free_slots = list(range(max_slots - 1, -1, -1))
+        # a packed target's projections of the same input as one product each (None: the modules' own)
+        self.qkv = [
+            PackedLinear.stacked([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers
+        ]
+        self.gate_up = [PackedLinear.stacked([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
 
     # -- slots
     def alloc(self) -> int:
@@ -184,7 +192,7 @@ class TargetRunner:
         # window -> (R, 1, G * nmax, L): row (g, t) is token t's mask, for the G query heads of a KV head
         masks = {w: _mask(j, qpos, w).repeat(1, 1, self.nh // self.kvh, 1) for w in set(self.windows)}
         span = slice(slots[0], slots[-1] + 1) if slots[-1] - slots[0] + 1 == len(slots) else None  # sorted, distinct
-        where = _Ragged(slot_t, span, row, col, pos, nmax, L)
+        where = _Ragged(slot_t, span, row, col, pos, slot_t[row], nmax, L, min(n) == nmax)
 
         x = self.base.embed_tokens(ids[None])  # (1, Ttot, d); Gemma3's module scales by sqrt(d)
         rope = self._rope(x, pos)
@@ -196,10 +204,10 @@ class TargetRunner:
             )
             if self.family.sandwich_norm:
                 x = x + layer.post_attention_layernorm(o)
-                x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+                x = x + layer.post_feedforward_layernorm(self._mlp(i, layer.mlp, layer.pre_feedforward_layernorm(x)))
             else:
                 x = x + o
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                x = x + self._mlp(i, layer.mlp, layer.post_attention_layernorm(x))
             if i in self.taps:
                 taps.append(x[0])
         for s, e in zip(slots, end):
@@ -218,21 +226,33 @@ class TargetRunner:
             tables = dict.fromkeys(set(self.types), self.base.rotary_emb(x, pos[None]))
         return {t: (cos[0][:, None], sin[0][:, None]) for t, (cos, sin) in tables.items()}
 
+    def _mlp(self, i: int, mlp, h: torch.Tensor) -> torch.Tensor:
+        """Layer i's gated MLP, down(act(gate h) * up h), with gate and up as one product where packed."""
+        if self.gate_up[i] is None:
+            return mlp(h)
+        gate, up = self.gate_up[i](h).chunk(2, -1)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+
     def _attention(self, i: int, attn, h: torch.Tensor, cos, sin, where: _Ragged, mask) -> torch.Tensor:
         """Layer i's attention for the flattened new tokens h (Ttot, d): stores their keys/values in
         their slots, attends each request over its own slot, returns the o_proj output (1, Ttot, d)."""
         H, row, col = self.nh, where.row, where.col
-        q = attn.q_proj(h).view(-1, H, self.hd)
-        k = attn.k_proj(h).view(-1, self.kvh, self.hd)
-        v = attn.v_proj(h).view(-1, self.kvh, self.hd)
+        if self.qkv[i] is None:
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        else:
+            q, k, v = self.qkv[i](h).split([H * self.hd, self.kvh * self.hd, self.kvh * self.hd], -1)
+        q, k, v = q.view(-1, H, self.hd), k.view(-1, self.kvh, self.hd), v.view(-1, self.kvh, self.hd)
         if self.family.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # (Ttot, H|KVH, hd)
-        self.k[i][where.slots[row], :, where.pos] = k
-        self.v[i][where.slots[row], :, where.pos] = v
+        q, k = _rotate(torch.cat([q, k], 1), cos, sin).split([H, self.kvh], 1)  # (Ttot, H|KVH, hd)
+        self.k[i][where.slot, :, where.pos] = k
+        self.v[i][where.slot, :, where.pos] = v
         R, G = len(where.slots), H // self.kvh  # G query heads share a KV head: head h reads KV head h // G
-        qp = q.new_zeros(R, where.nmax, H, self.hd)
-        qp[row, col] = q
+        if where.uniform:
+            qp = q.view(R, where.nmax, H, self.hd)
+        else:
+            qp = q.new_zeros(R, where.nmax, H, self.hd)
+            qp[row, col] = q
         at = where.span if where.span is not None else where.slots  # a view of the cache, else a gathered copy
         keys = self.k[i][at, :, : where.L]  # (R, KVH, L, hd)
         vals = self.v[i][at, :, : where.L]
@@ -241,4 +261,5 @@ class TargetRunner:
         qg = qp.transpose(1, 2).reshape(R, self.kvh, G * where.nmax, self.hd)  # rows (g, t) of KV head kv
         o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=attn.scaling)  # (R, KVH, G * nmax, hd)
         o = o.view(R, H, where.nmax, self.hd).transpose(1, 2)  # (R, nmax, H, hd)
-        return attn.o_proj(o[row, col].reshape(1, -1, H * self.hd))  # (1, Ttot, d)
+        o = o.reshape(1, -1, H * self.hd) if where.uniform else o[row, col].reshape(1, -1, H * self.hd)
+        return attn.o_proj(o)  # (1, Ttot, d)

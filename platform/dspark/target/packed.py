@@ -7,7 +7,9 @@ from the row-major layout plain F.linear hands it each call. The result is the s
 (the logits of a SmolLM2 step are bit-identical); the dense weight stays the module's `weight`,
 so whatever reads the weights (the drafter's shared lm_head, hashes, exports) sees no change.
 A drafter served beside a packed target is packed too (`Drafter.pack_like`): its linears and its LM
-head over the draft vocabulary are the same kind of products.
+head over the draft vocabulary are the same kind of products. The decoding runner also packs the
+projections that read the same input as one product (`PackedLinear.stacked`: q, k, v; gate, up), so
+a layer streams its weights in 4 products instead of 7.
 """
 
 from __future__ import annotations
@@ -42,11 +44,23 @@ def is_packed(model: nn.Module) -> bool:
 class PackedLinear(nn.Module):
     """nn.Linear's product from a oneDNN-packed copy of the weight (kept alongside as `weight`)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
-        self.packed = pack(linear.weight)  # not a parameter or persistent buffer: never saved
+        self.out_features, self.in_features = weight.shape
+        self.weight, self.bias = weight, bias  # the module's own parameters, dense
+        self.packed = pack(weight)  # not a parameter or persistent buffer: never saved
+
+    @classmethod
+    def stacked(cls, linears: list[nn.Module]) -> PackedLinear | None:
+        """One packed product for linears of the same input, their weights stacked by rows:
+        stacked(ls)(x) = cat([l(x) for l in ls], -1). None unless every one is packed (the stacked
+        weight is a new copy: made only where packing already keeps copies, never on an accelerator)."""
+        if not linears or any(type(m) is not cls for m in linears):
+            return None
+        bias = None
+        if any(m.bias is not None for m in linears):
+            bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias for m in linears])
+        return cls(torch.cat([m.weight.detach() for m in linears]), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         return linear(x, self.packed, self.bias)
@@ -60,6 +74,6 @@ def prepack(model: nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child.weight, child.bias))
                 n += 1
     return n
