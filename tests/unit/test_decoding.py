@@ -305,7 +305,7 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
 
         gate.timed = fake_timed
         measured, verdicts = gate.measured, []  # the measured verdicts the gate drew
-        gate.measured = lambda R: verdicts.append(measured(R)) or verdicts[-1]
+        gate.measured = lambda R, own=None: verdicts.append(measured(R, own)) or verdicts[-1]
     else:
         gate = policies.DraftGate(cost, 4, max_interval=1, min_rounds=0)
     if kind != "timed":  # the model's decisions alone (min_rounds 0): the wall clock must not steer a test
@@ -566,7 +566,7 @@ def test_a_drafter_that_skipped_rounds_catches_up_to_the_same_state(tgt, prompt,
     calls = itertools.count()
 
     class EveryThird:  # a gate: draft in rounds 0, 3, 6, ..
-        def __call__(self, R, behind):
+        def __call__(self, R, behind, own):
             return next(calls) % 3 == 0
 
         def observe(self, verified, accepted):

@@ -81,6 +81,8 @@ class Request:
     out: list[int] = field(default_factory=list)
     token_logprobs: list = field(default_factory=list)  # per output token with logprobs on: see token_logprobs
     rounds: list[RoundRecord] = field(default_factory=list)
+    drafted_rounds: int = 0  # rounds drafted for it, and the drafts accepted in them (what the gate reads)
+    drafts_accepted: int = 0
     done: bool = False
     prefill_s: float = 0.0
     draft_s: float = 0.0  # decode phase only (prefill excluded)
@@ -261,7 +263,8 @@ class SpeculativeDecoder:
         drafts = probs_q = survival = conf_logits = prop = None
         lengths = [0] * len(reqs)
         probe_s = 0.0  # the catch-up beyond one drafted round's positions: a probe's price (probe_gap)
-        if self.gamma and (self.gate is None or self.gate(len(reqs), self._behind(reqs))):
+        own = [(r.drafted_rounds, r.drafts_accepted) for r in reqs] if self.gate is not None else None
+        if self.gamma and (self.gate is None or self.gate(len(reqs), self._behind(reqs), own)):
             t0 = time.perf_counter()
             # steady drafting reads the previous drafted round's tokens; the rest is earlier plain rounds' and prompts'
             extra = sum(r.behind for r in reqs if not (r.rounds and r.rounds[-1].drafted))
@@ -310,6 +313,8 @@ class SpeculativeDecoder:
         for i, (r, n) in enumerate(zip(reqs, n_acc)):
             r.verify_s += dt
             r.rounds.append(RoundRecord(lengths[i], n, conf_rows[i], surv_rows[i], prop is not None))
+            if prop is not None:
+                r.drafted_rounds, r.drafts_accepted = r.drafted_rounds + 1, r.drafts_accepted + n
             self.runner.truncate(r.slot, starts[i] + 1 + n)  # keep x_0 and the accepted drafts
             new = draft_ids[i][:n] + [emitted[i]]  # made by the target's rows 0..n of this request
             lp = token_logprobs(out.logits[i], new, r.logprobs) if r.logprobs >= 0 else None

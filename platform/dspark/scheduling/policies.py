@@ -205,7 +205,16 @@ class DraftGate:
     Until then the model decides, its rounds priced with the measured cost of a plain round beyond the
     profiled forward pass (`overhead_s`). While drafting, a plain round is timed every other drafted round
     until there are `min_rounds` of them, then every `max_interval`-th (every other round for
-    max_interval <= 2)."""
+    max_interval <= 2).
+
+    The requests: how many drafts a round gets accepted depends on the requests more than on the
+    server, so when the decoder says which requests the round is for (`own`: each one's drafted rounds
+    and drafts accepted in them), the measured drafted rate is that of the requests at hand: drafted
+    rounds' seconds, and tokens Σ_r (1 + â_r), with â_r the request's own accepted drafts per drafted
+    round, counting the server's mean as one more round (`expected_tokens`). And a batch none of whose
+    requests was drafted for is new traffic: its probes start over at 1, 2, 4, .. (never sooner than
+    their price). A server whose first request drafts badly then re-measures each new request soon,
+    instead of probing ever more rarely against what the first request measured."""
 
     def __init__(
         self,
@@ -229,13 +238,17 @@ class DraftGate:
         self.pays: dict[int, bool] = {}  # draft_pays(alpha, R, o(R)) by R, until alpha or o(R) next changes
         self.rounds_timed: dict[tuple[int, bool], RoundTimes] = {}  # (R, drafted) -> what those rounds took
         self.since_plain: dict[int, int] = {}  # R -> drafted rounds since a plain round was timed at R
+        self.accepted, self.request_rounds = 0.0, 0  # the server's mean accepted drafts per request and drafted round
 
-    def __call__(self, R: int, behind: int = 0) -> bool:
+    def __call__(self, R: int, behind: int = 0, own: Optional[list[tuple[int, int]]] = None) -> bool:
         """Draft this round for R requests? `behind`: context positions the drafter has not read yet (it
-        reads them first, t_e each)."""
+        reads them first, t_e each). `own`: per request, its drafted rounds and the drafts accepted in them
+        (None: the server's rounds alone decide)."""
         if self.max_interval == 0 or not self.seen:
             return True
-        if not self.idle and self.drafting_pays(R):
+        if own and not any(n for n, _ in own):  # new traffic: its probes start over
+            self.interval[R] = 1
+        if not self.idle and self.drafting_pays(R, own):
             self.interval[R], self.skipped[R] = 1, 0
             timed_plain = self.speed(R, False)[1]
             if self.since_plain.get(R, 0) >= (2 if timed_plain < self.min_rounds else self.max_interval):
@@ -256,19 +269,26 @@ class DraftGate:
         times = self.rounds_timed.get((R, drafted))
         return times if times is not None and times.n >= self.min_rounds else None
 
-    def measured(self, R: int) -> bool | None:
+    def expected_tokens(self, own: list[tuple[int, int]]) -> float:
+        """Tokens a drafted round is expected to emit for these requests (drafted rounds n_r and drafts
+        accepted A_r each): Σ_r 1 + (A_r + a) / (n_r + 1), with a the server's mean per request and round."""
+        return sum(1 + (A + self.accepted) / (n + 1) for n, A in own)
+
+    def measured(self, R: int, own: Optional[list[tuple[int, int]]] = None) -> bool | None:
         """Once drafted and plain rounds at R were each timed `min_rounds` times: False when drafted ones
-        emit fewer tokens/s by more than `z` standard errors of the difference, else True; before, None."""
+        emit fewer tokens/s by more than `z` standard errors of the difference, else True; before, None.
+        With `own`, drafted rounds emit the tokens expected for these requests in the seconds measured."""
         drafted, plain = self.enough(R, True), self.enough(R, False)
         if drafted is None or plain is None:
             return None
-        se = math.hypot(drafted.rate_se(), plain.rate_se())
-        return drafted.rate - plain.rate + self.z * se > 0
+        scale = 1.0 if not own else self.expected_tokens(own) / drafted.t  # tokens for these requests
+        se = math.hypot(scale * drafted.rate_se(), plain.rate_se())
+        return scale * drafted.rate - plain.rate + self.z * se > 0
 
-    def drafting_pays(self, R: int) -> bool:
-        """The measured verdict at R where there is one, else the model (`draft_pays` with the measured
-        alpha)."""
-        verdict = self.measured(R)
+    def drafting_pays(self, R: int, own: Optional[list[tuple[int, int]]] = None) -> bool:
+        """The measured verdict at R where there is one (for these requests), else the model (`draft_pays`
+        with the measured alpha)."""
+        verdict = self.measured(R, own)
         if verdict is not None:
             return verdict
         if R not in self.pays:
@@ -298,6 +318,9 @@ class DraftGate:
         l, n = np.asarray(verified), np.asarray(accepted)
         self.seen, self.idle = True, not l.any()
         self.pays.clear()
+        for a in accepted:
+            self.request_rounds += 1
+            self.accepted = running_average(self.accepted, self.request_rounds, a, self.weight)
         for j in range(len(self.alpha)):
             reached = (l > j) & (n >= j)  # position j was verified and every draft before it accepted
             if reached.any():
