@@ -10,7 +10,8 @@ log-normal noise. The gate decides each round from the rounds before it (observe
 request's own drafted rounds and accepted drafts, exactly as the decoder calls it. A "warm" scenario
 starts from a gate that has drafted 100 rounds at R = 1 (a server whose load rose). In "traffic changes",
 requests of 50 rounds follow one another at R = 1 and the first one's drafts are almost never accepted
-(3% per position, like the MT-Bench prompt of serve_load's first user); it is run again with the gate
+(3% per position, like the MT-Bench prompt of serve_load's first user; "requests of 50": the same
+length, no bad one); it is run again with the gate
 blind to the requests (`own` = None), as it was before it read them. The defaults are SmolLM2
 serve_load's measurements (results/serve-load-gate4-smollm2: a plain round of 4 requests 51 ms, a drafted
 one 95 ms; at R = 1, 43 and 58 ms). Prints, per z and scenario, the mean and 10th percentile over seeds
@@ -29,17 +30,18 @@ from dspark.scheduling.sps import SPSTable
 
 ALPHA = np.array([0.45, 0.55, 0.6, 0.6, 0.6, 0.6, 0.6])  # conditional acceptance per draft position
 BAD = np.full(len(ALPHA), 0.03)  # a request whose drafts are almost never accepted
-REQUEST_ROUNDS = 50  # rounds of one request in "traffic changes"
-# name: (R, rounds, plain_s, extra_s, l, warm, first request bad, gate reads the requests)
+# name: (R, rounds, plain_s, extra_s, l, warm, rounds per request (0: the whole run), first request bad,
+#        gate reads the requests)
 SCENARIOS = {
-    "R=1 wins": (1, 150, 0.043, 0.015, 3, False, False, True),
-    "R=1 wins, long": (1, 600, 0.043, 0.015, 3, False, False, True),
-    "R=1 wins by 10%": (1, 300, 0.043, 0.029, 3, False, False, True),
-    "R=1 loses": (1, 300, 0.043, 0.045, 3, False, False, True),
-    "R=4 loses, warm": (4, 130, 0.051, 0.044, 2, True, False, True),
-    "R=4 loses, warm, long": (4, 500, 0.051, 0.044, 2, True, False, True),
-    "traffic changes": (1, 400, 0.043, 0.015, 3, False, True, True),
-    "traffic changes, blind": (1, 400, 0.043, 0.015, 3, False, True, False),
+    "R=1 wins": (1, 150, 0.043, 0.015, 3, False, 0, False, True),
+    "R=1 wins, long": (1, 600, 0.043, 0.015, 3, False, 0, False, True),
+    "R=1 wins by 10%": (1, 300, 0.043, 0.029, 3, False, 0, False, True),
+    "R=1 loses": (1, 300, 0.043, 0.045, 3, False, 0, False, True),
+    "R=1 loses, requests of 50": (1, 400, 0.043, 0.045, 3, False, 50, False, True),
+    "R=4 loses, warm": (4, 130, 0.051, 0.044, 2, True, 0, False, True),
+    "R=4 loses, warm, long": (4, 500, 0.051, 0.044, 2, True, 0, False, True),
+    "traffic changes": (1, 400, 0.043, 0.015, 3, False, 50, True, True),
+    "traffic changes, blind": (1, 400, 0.043, 0.015, 3, False, 50, True, False),
 }
 # SPS(B) and t_d(R) of the model the gate falls back on before it has measured (SmolLM2 on this CPU)
 SPS = SPSTable([1, 4, 8, 16], [29.0, 26.6, 20.0, 16.4], draft_batch=[1, 4, 8], draft_s=[0.008, 0.016, 0.028])
@@ -59,7 +61,7 @@ def one_round(rng, R: int, drafted: bool, l: int, plain_s: float, extra_s: float
     return [l] * R, accepted, R + sum(accepted), (plain_s + extra_s) * noise
 
 
-def run(z, seed, R, rounds, plain_s, extra_s, l, warm, bad_first, reads, fixed=None):
+def run(z, seed, R, rounds, plain_s, extra_s, l, warm, request_rounds, bad_first, reads, fixed=None):
     """Tokens/s and drafting share over one simulated run: the gate's, or a fixed choice's (`fixed`)."""
     rng = np.random.default_rng(seed)
     gate = DraftGate(SPS, len(ALPHA), 256, z=z)
@@ -72,8 +74,8 @@ def run(z, seed, R, rounds, plain_s, extra_s, l, warm, bad_first, reads, fixed=N
     drafted_rounds = 0
     own = [(0, 0)] * R  # each request's drafted rounds and accepted drafts
     for i in range(rounds):
-        request = i // REQUEST_ROUNDS if bad_first else 0  # the R requests start and end together
-        if bad_first and i % REQUEST_ROUNDS == 0:
+        request = i // request_rounds if request_rounds else 0  # the R requests start and end together
+        if request_rounds and i % request_rounds == 0:
             own = [(0, 0)] * R
         drafted = fixed if fixed is not None else gate(R, 0, own if reads else None)
         alpha = BAD if bad_first and request == 0 else ALPHA

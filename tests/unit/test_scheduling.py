@@ -279,30 +279,35 @@ def test_until_drafted_rounds_were_timed_at_r_every_other_round_drafts():
 
 
 def test_a_new_request_is_judged_by_its_own_drafts():
-    """A first request whose drafts are never accepted stops drafting. A request none of whose rounds was
-    drafted is new traffic: its probes start over (after their price, not after the doubled interval), and
-    one probe with 3 of 4 drafts accepted resumes drafting for it, although the server's drafted rounds,
-    mostly the first request's, emit fewer tokens/s than plain ones. Blind to the requests, the gate would
-    go on skipping."""
+    """A first request whose drafts are never accepted stops drafting. A batch none of whose requests was
+    drafted for `min_rounds` times is new traffic: it drafts at once (every other round until one was),
+    and a request whose drafts are accepted then goes on drafting, while one like the first would not, from
+    the same measurements of the server's rounds. Blind to the requests, the gate would go on skipping."""
     sps = SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.01])
     gate = DraftGate(sps, gamma=4, max_interval=256, overhead=0.5, min_rounds=4)
-    first = [0, 0]  # the first request's drafted rounds and accepted drafts
-    for _ in range(40):
-        drafted = gate(1, 0, [tuple(first)])
-        if drafted:
-            gate.observe([4], [0])
-            first[0] += 1
-        gate.timed(1, drafted, 1, 0.02 if drafted else 0.01)  # drafted: 50 tokens/s against 100
-    assert first[0] == 4 + 2 and gate.interval[1] == 32 and gate.skipped[1] == 7  # probes after 4, 8, 16 rounds
-    assert gate.measured(1, [tuple(first)]) is False and gate.probe_gap(1) == 2  # 10 ms lost over half of 10
+
+    def serve(own: list[int], accepted: int, rounds: int) -> list[bool]:
+        """`rounds` rounds of one request (its drafted rounds and accepted drafts in `own`)."""
+        decisions = []
+        for _ in range(rounds):
+            decisions.append(gate(1, 0, [tuple(own)]))
+            if decisions[-1]:
+                gate.observe([4], [accepted])
+                own[0], own[1] = own[0] + 1, own[1] + accepted
+            gate.timed(1, decisions[-1], 1 + (accepted if decisions[-1] else 0), 0.02 if decisions[-1] else 0.01)
+        return decisions
+
+    first = serve([0, 0], 0, 40)  # drafted: 50 tokens/s against 100
+    assert first[:8] == [True, False] * 4 and sum(first) == 4 + 2  # measured, then probes after 4, 8, 16
+    assert gate.measured(1, [(6, 0)]) is False and gate.measured(1, None) is False
     blind = copy.deepcopy(gate)
-    assert not any(blind(1, 0, None) for _ in range(32 - 7 - 1))  # blind: the next probe after 32 rounds
-    assert gate(1, 0, [(0, 0)])  # a new request: 7 rounds skipped are more than the probe's price
-    gate.observe([4], [3])
-    gate.timed(1, True, 4, 0.02)  # 200 tokens/s
-    assert gate.measured(1, None) is False  # the server's drafted rounds: mostly the first request's
-    assert gate.measured(1, [(1, 3)]) is True and gate(1, 0, [(1, 3)])  # 2.5 tokens in 20 ms: it drafts
-    assert gate.expected_tokens([(1, 3)]) == pytest.approx(1 + (3 + gate.accepted) / 2)
+    assert not any(blind(1, 0, None) for _ in range(20))
+    second = serve([0, 0], 3, 2)  # 4 tokens in 20 ms: 200 tokens/s
+    assert all(second)  # new traffic: it drafts at once, and its own accepted drafts keep it drafting
+    # the same server measurements, two requests: the one whose drafts are accepted drafts, the first would not
+    assert gate.measured(1, [(2, 6)]) is True and gate.measured(1, [(6, 0)]) is False
+    assert gate(1, 0, [(2, 6)])
+    assert gate.expected_tokens([(2, 6)]) == pytest.approx(1 + (6 + gate.accepted) / 3)
 
 
 def test_each_batch_size_keeps_its_probes_and_prices_them_by_what_drafting_lost():

@@ -212,9 +212,10 @@ class DraftGate:
     and drafts accepted in them), the measured drafted rate is that of the requests at hand: drafted
     rounds' seconds, and tokens Σ_r (1 + â_r), with â_r the request's own accepted drafts per drafted
     round, counting the server's mean as one more round (`expected_tokens`). And a batch none of whose
-    requests was drafted for is new traffic: its probes start over at 1, 2, 4, .. (never sooner than
-    their price). A server whose first request drafts badly then re-measures each new request soon,
-    instead of probing ever more rarely against what the first request measured."""
+    requests was drafted for `min_rounds` times is new traffic: every other round drafts until one was.
+    A server whose first request drafts badly then measures each new request over a few rounds (one
+    round's acceptance is mostly noise: at 0.3 per position, 70% of rounds accept nothing), instead of
+    probing ever more rarely against what the first request measured."""
 
     def __init__(
         self,
@@ -246,8 +247,7 @@ class DraftGate:
         (None: the server's rounds alone decide)."""
         if self.max_interval == 0 or not self.seen:
             return True
-        if own and not any(n for n, _ in own):  # new traffic: its probes start over
-            self.interval[R] = 1
+        new = bool(own) and all(n < self.min_rounds for n, _ in own)  # traffic not yet drafted for enough
         if not self.idle and self.drafting_pays(R, own):
             self.interval[R], self.skipped[R] = 1, 0
             timed_plain = self.speed(R, False)[1]
@@ -255,8 +255,8 @@ class DraftGate:
                 return False  # a plain round, timed: what drafting is compared with
             return True
         interval, skipped = self.interval.get(R, 1), self.skipped.get(R, 0)
-        wait = 1  # too few drafted rounds timed at R: every other round
-        if self.speed(R, True)[1] >= self.min_rounds:
+        wait = 1  # too few drafted rounds timed at R, or for these requests: every other round
+        if not new and self.speed(R, True)[1] >= self.min_rounds:
             wait = min(self.max_interval, max(interval, self.probe_gap(R, behind)))
         if skipped >= wait:  # a probe
             self.interval[R], self.skipped[R] = min(2 * interval, self.max_interval), 0

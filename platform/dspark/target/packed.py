@@ -53,14 +53,17 @@ class PackedLinear(nn.Module):
     @classmethod
     def stacked(cls, linears: list[nn.Module]) -> PackedLinear | None:
         """One packed product for linears of the same input, their weights stacked by rows:
-        stacked(ls)(x) = cat([l(x) for l in ls], -1). None unless every one is packed (the stacked
-        weight is a new copy: made only where packing already keeps copies, never on an accelerator)."""
+        stacked(ls)(x) = cat([l(x) for l in ls], -1). None unless every one is packed (the packed stack
+        is a new copy: made only where packing already keeps copies, never on an accelerator). Its dense
+        weight is not kept: the linears keep theirs."""
         if not linears or any(type(m) is not cls for m in linears):
             return None
         bias = None
         if any(m.bias is not None for m in linears):
             bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias for m in linears])
-        return cls(torch.cat([m.weight.detach() for m in linears]), bias)
+        stack = cls(torch.cat([m.weight.detach() for m in linears]), bias)
+        stack.weight = None
+        return stack
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         return linear(x, self.packed, self.bias)
