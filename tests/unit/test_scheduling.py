@@ -279,8 +279,8 @@ def test_until_drafted_rounds_were_timed_at_r_every_other_round_drafts():
 
 
 def test_a_new_request_is_judged_by_its_own_drafts():
-    """A first request whose drafts are never accepted stops drafting. A batch none of whose requests was
-    drafted for `min_rounds` times is new traffic: it drafts at once (every other round until one was),
+    """A first request whose drafts are never accepted stops drafting. A lone request drafted for fewer
+    than `min_rounds` rounds is new traffic: it drafts at once (every other round until it was),
     and a request whose drafts are accepted then goes on drafting, while one like the first would not, from
     the same measurements of the server's rounds. Blind to the requests, the gate would go on skipping."""
     sps = SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.01])
@@ -307,6 +307,10 @@ def test_a_new_request_is_judged_by_its_own_drafts():
     # the same server measurements, two requests: the one whose drafts are accepted drafts, the first would not
     assert gate.measured(1, [(2, 6)]) is True and gate.measured(1, [(6, 0)]) is False
     assert gate(1, 0, [(2, 6)])
+    for _ in range(4):  # at R = 2 drafting is measured to lose: new requests there wait for the probes
+        gate.timed(2, True, 2, 0.04)
+        gate.timed(2, False, 2, 0.02)
+    assert [gate(2, 0, [(0, 0), (0, 0)]) for _ in range(3)] == [False, False, True]  # probe_gap(2) = 2
     assert gate.expected_tokens([(2, 6)]) == pytest.approx(1 + (6 + gate.accepted) / 3)
 
 
