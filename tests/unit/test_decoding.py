@@ -264,7 +264,7 @@ def test_sampling_matches_target_distribution(request, target, name, policy):
     assert p_value > 1e-3, (name, p_value, n)
 
 
-@pytest.mark.parametrize("kind", ["cost", "idle", "gap", "catch-up", "timed"])
+@pytest.mark.parametrize("kind", ["cost", "idle", "gap", "catch-up", "timed", "lone"])
 def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     """The engine's adaptive path: a DraftGate decides before each round whether to draft at all, and a
     drafted round prices its lengths with the drafting time as paid. cost: drafting costs 20 target
@@ -277,7 +277,9 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     timed: the gate decides from what rounds took (`DraftGate.timed`), and here what a drafted round
     "took" depends on the tokens emitted so far: half a plain round's time per token until their total
     reaches 8000, then 3x; so whether a round drafts follows earlier rounds' acceptance, and the measured
-    verdict goes both ways."""
+    verdict goes both ways. lone: as timed, one request at a time (R = 1, the engine's first rounds for
+    every request): each request is new traffic until drafted for twice, and the verdict reads its own
+    accepted drafts."""
     model, prompt = tiny
     law = _exact_law(model, prompt)
     if kind in ("cost", "gap", "catch-up"):
@@ -293,7 +295,7 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
 
     if kind in ("gap", "catch-up"):  # gap: probe_gap(R) = ceil(0.2 s x SPS(R) / 6.0): 3-4 plain rounds
         gate = policies.DraftGate(cost, 4, max_interval=4 if kind == "gap" else 8, overhead=6.0, min_rounds=0)
-    elif kind == "timed":
+    elif kind in ("timed", "lone"):
         cost, policy = KNEE, policies.make_policy("greedy", KNEE)  # the model alone: drafting always pays
         gate = policies.DraftGate(cost, 4, max_interval=4, min_rounds=2)
         timed = gate.timed
@@ -308,9 +310,13 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         gate.measured = lambda R, own=None: verdicts.append(measured(R, own)) or verdicts[-1]
     else:
         gate = policies.DraftGate(cost, 4, max_interval=1, min_rounds=0)
-    if kind != "timed":  # the model's decisions alone (min_rounds 0): the wall clock must not steer a test
+    if kind not in (
+        "timed",
+        "lone",
+    ):  # the model's decisions alone (min_rounds 0): the wall clock must not steer a test
         gate.timed = lambda R, drafted, tokens, seconds: None
-    dec = SpeculativeDecoder(model, PerturbedTarget(model, 4), gamma=4, policy=policy, max_slots=256, gate=gate)
+    R = 1 if kind == "lone" else 256
+    dec = SpeculativeDecoder(model, PerturbedTarget(model, 4), gamma=4, policy=policy, max_slots=R, gate=gate)
     behind = []  # what the gate was told before each round: positions the drafter had not read
     dec._behind = lambda reqs: behind.append(SpeculativeDecoder._behind(reqs)) or behind[-1]
     reqs = dec.run([Request(prompt, SP, 3, seed) for seed in range(10_000)])
@@ -331,9 +337,9 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         assert verified > 3
     if kind == "catch-up":  # the wait followed what the drafter had not read
         assert len(gaps) >= 3
-    if kind == "timed":  # both kinds of round were timed at the full batch, and the measurement decided
+    if kind in ("timed", "lone"):  # both kinds of round were timed at the full batch, and the measurement decided
         print(f"[exactness] measured verdicts: {collections.Counter(verdicts)}")
-        assert min(gate.speed(256, drafted)[1] for drafted in (True, False)) >= 2
+        assert min(gate.speed(R, drafted)[1] for drafted in (True, False)) >= 2
         assert {True, False} <= set(verdicts)  # both ways: drafting followed the emitted tokens' parity
     assert power >= 0.9 and p_value > 1e-3, p_value
 
