@@ -397,9 +397,12 @@ def test_sampling_a_draft_vocabulary_is_sampling_its_scattered_logits(sp, keyed)
         tok_full, q_full = a(full)
         tok_d, q_d = b(u, ids, V)
         assert torch.equal(tok_d, tok_full)
+        assert set(tok_d.tolist()) <= set(ids.tolist())
+        if sp.greedy:  # a one-hot q at each token, left implicit
+            assert q_d is None and q_full is None
+            continue
         assert q_d.shape == (R, len(ids)) and q_full[:, ~torch.isin(torch.arange(V), ids)].sum() == 0
         torch.testing.assert_close(q_d, q_full[:, ids], atol=1e-6, rtol=1e-5)
-        assert set(tok_d.tolist()) <= set(ids.tolist())
     assert len(set(tok_d.tolist())) > (1 if not sp.greedy else 0)  # not a degenerate draw
 
 
@@ -506,6 +509,32 @@ def test_tiny_temperature_is_finite_and_greedy(tgt, prompt):
     assert out[0].out == ref[0].out
 
 
+def test_greedy_decoding_is_the_targets_argmax_chain(tgt, prompt):
+    """Plain greedy rounds take the argmax of the target's logits, without a distribution (verify_choices)."""
+    out = SpeculativeDecoder(tgt.model, None).run([Request(prompt, SamplingParams(0.0), 10)])[0].out
+    ids = list(prompt)
+    for _ in range(10):
+        ids.append(int(tgt.model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert out == ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(0.0), SamplingParams(1.0)])
+def test_nan_target_logits_fail_the_round(tgt, prompt, sp, monkeypatch):
+    """A target whose logits turn NaN fails the round, greedy or sampled, instead of emitting a token."""
+    dec = SpeculativeDecoder(tgt.model, _drafter(tgt, "dspark"), gamma=3)
+    dec.add(Request(prompt, sp, 8))
+    forward = dec.runner.forward
+
+    def nan_forward(slots, tokens):
+        out = forward(slots, tokens)
+        out.logits[0][-1, 7] = float("nan")
+        return out
+
+    monkeypatch.setattr(dec.runner, "forward", nan_forward)
+    with pytest.raises(FloatingPointError, match="not finite"):
+        dec.step()
+
+
 class NaNAfter(PerturbedTarget):
     """Drafts whose q is NaN from position `bad` on (a drafter that diverged)."""
 
@@ -515,6 +544,8 @@ class NaNAfter(PerturbedTarget):
 
     def propose(self, states, anchors, gamma, sample):
         prop = super().propose(states, anchors, gamma, sample)
+        if prop.probs is None:  # greedy: the one-hot q that the sampler leaves implicit, reported
+            prop.probs = torch.nn.functional.one_hot(prop.tokens, self.c.vocab_size).float()
         prop.probs[:, self.bad :] = float("nan")
         return prop
 

@@ -131,7 +131,9 @@ class BatchSampler:
     draw as from the scattered (R, vocab) logits with -inf elsewhere (the same CDF steps in the same
     order, the Gumbel noise read at the same ids; equal up to the float rounding of the softmax's
     normaliser) at n / vocab of the cost. The tokens come back as target ids, the distributions over
-    the n columns (R, n): scattering them to (R, vocab) is left to whoever needs a whole row."""
+    the n columns (R, n): scattering them to (R, vocab) is left to whoever needs a whole row. When every
+    request is greedy the distributions are None (each a one-hot at its token, which verification
+    assumes of a proposal without q)."""
 
     def __init__(
         self,
@@ -145,7 +147,11 @@ class BatchSampler:
 
     def __call__(
         self, logits: torch.Tensor, ids: torch.Tensor | None = None, vocab: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if all(sp.greedy for sp in self.params):  # every row its argmax: no distribution to return
+            self.calls += 1
+            toks = logits.float().argmax(-1)
+            return (toks if ids is None else ids.to(toks.device)[toks]), None
         rows = batch_probs(logits, self.params)  # (R, n)
         # one uniform per request from its own generator, then ONE batched search (one multinomial call
         # per request and draft position dominated a drafting round); drawn for keyed rows too, so a

@@ -343,11 +343,17 @@ class SpeculativeDecoder:
         (l_r + 1, V) of one forward; all requests at once. Returns each request's accepted drafts n and
         emitted token."""
         n_rows = [len(x) for x in logits]
-        p = batch_probs(torch.cat(logits), [r.sp for r, k in zip(reqs, n_rows) for _ in range(k)])  # (T, V)
-        if not torch.isfinite(p).all():
-            raise FloatingPointError("the target's distribution is not finite (NaN/inf logits)")
         l, rows_per_request = torch.tensor(lengths, dtype=torch.long), torch.tensor(n_rows)
         first = rows_per_request.cumsum(0) - rows_per_request  # request r's rows of p: first[r] .. first[r] + l_r
+        z = torch.cat(logits).float()  # (T, V)
+        if all(r.sp.greedy for r in reqs):  # p one-hot at the argmax: x_k accepted iff it is p_k's argmax
+            if z.amax(-1).isnan().any():  # (a NaN would be the argmax)
+                raise FloatingPointError("the target's distribution is not finite (NaN logits)")
+            n, y = verify_choices(drafts, l, z.argmax(-1), first)  # no q, p or uniforms needed
+            return n.tolist(), y.tolist()
+        p = batch_probs(z, [r.sp for r, k in zip(reqs, n_rows) for _ in range(k)])  # (T, V)
+        if not p.sum(-1).isfinite().all():  # rows of p are in [0, 1] or NaN: a NaN or inf makes its sum one
+            raise FloatingPointError("the target's distribution is not finite (NaN/inf logits)")
         # rejection sampling with each request's own generator (greedy requests too: their p is one-hot)
         u = torch.stack([torch.rand(drafts.shape[1], generator=r.gen, dtype=torch.float64) for r in reqs])
         v = torch.stack([torch.rand((), generator=r.gen, dtype=torch.float64) for r in reqs])
