@@ -12,7 +12,9 @@ starts from a gate that has drafted 100 rounds at R = 1 (a server whose load ros
 requests of 50 rounds follow one another at R = 1 and the first one's drafts are almost never accepted
 (3% per position, like the MT-Bench prompt of serve_load's first user; "requests of 50": the same
 length, no bad one); it is run again with the gate
-blind to the requests (`own` = None), as it was before it read them. The defaults are SmolLM2
+blind to the requests (`own` = None), as it was before it read them. "Slow drafter" is the built-in
+target's serve_load at one request: a plain round 7.3 ms, a drafted one 16 ms (the drafter costs more than
+a target step), requests of 64 rounds. The defaults are SmolLM2
 serve_load's measurements (results/serve-load-gate4-smollm2: a plain round of 4 requests 51 ms, a drafted
 one 95 ms; at R = 1, 43 and 58 ms). Prints, per z and scenario, the mean and 10th percentile over seeds
 of the gate's tokens/s as a fraction of the better fixed choice's (always or never drafting, on the same
@@ -42,6 +44,7 @@ SCENARIOS = {
     "R=4 loses, warm, long": (4, 500, 0.051, 0.044, 2, True, 0, False, True),
     "traffic changes": (1, 400, 0.043, 0.015, 3, False, 50, True, True),
     "traffic changes, blind": (1, 400, 0.043, 0.015, 3, False, 50, True, False),
+    "R=1 loses, slow drafter": (1, 512, 0.0073, 0.0087, 3, False, 64, False, True),
 }
 # SPS(B) and t_d(R) of the model the gate falls back on before it has measured (SmolLM2 on this CPU)
 SPS = SPSTable([1, 4, 8, 16], [29.0, 26.6, 20.0, 16.4], draft_batch=[1, 4, 8], draft_s=[0.008, 0.016, 0.028])

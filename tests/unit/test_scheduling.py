@@ -314,6 +314,35 @@ def test_a_new_request_is_judged_by_its_own_drafts():
     assert gate.expected_tokens([(2, 6)]) == pytest.approx(1 + (6 + gate.accepted) / 3)
 
 
+def test_new_traffic_is_probed_at_its_price():
+    """Where a drafted round costs several plain rounds (a drafter as slow as its target), new lone requests
+    are not each forced to draft their first rounds: their probes wait what a probe costs (2% of the plain
+    rounds before it), so that serving requests of 64 tokens one at a time stays within a few percent of
+    never drafting; where it costs little beyond its tokens, a new request drafts soon."""
+    sps = SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.015])
+
+    def serve(gate: DraftGate, requests: int, drafted_s: float) -> list[int]:
+        """Drafted rounds per request of 64 rounds, one request at a time, none of its drafts accepted."""
+        out = []
+        for _ in range(requests):
+            n = 0
+            for _ in range(64):
+                draft = gate(1, 0, [(n, 0)])
+                if draft:
+                    gate.observe([4], [0])
+                    n += 1
+                gate.timed(1, draft, 1, drafted_s if draft else 0.01)
+            out.append(n)
+        return out
+
+    slow = serve(DraftGate(sps, gamma=4, max_interval=256, overhead=0.02), 8, 0.025)
+    # the first request measures (4 drafted rounds and probes); a probe then costs 0.015 s beyond its token,
+    # worth 75 plain rounds at 2%: the later requests draft about once each
+    assert slow[0] >= 4 and sum(slow[1:]) <= 7, slow
+    cheap = serve(DraftGate(sps, gamma=4, max_interval=256, overhead=0.02), 8, 0.0102)
+    assert all(n >= 4 for n in cheap[1:]), cheap  # 0.2 ms beyond its token: every new request is measured
+
+
 def test_each_batch_size_keeps_its_probes_and_prices_them_by_what_drafting_lost():
     """Where drafting does not pay, probes wait 1, 2, 4, .. max_interval skipped rounds at that R, also when
     rounds at another R, where it pays, come between; once both kinds of round were timed at R, a probe

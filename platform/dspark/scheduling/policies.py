@@ -212,10 +212,13 @@ class DraftGate:
     and drafts accepted in them), the measured drafted rate is that of the requests at hand: drafted
     rounds' seconds, and tokens Σ_r (1 + â_r), with â_r the request's own accepted drafts per drafted
     round, counting the server's mean as one more round (`expected_tokens`). And a lone request (R = 1,
-    where its acceptance alone decides) drafted for fewer than `min_rounds` rounds is new traffic: every
-    other round drafts until it was. A server whose first request drafts badly then measures each new
-    request over a few rounds (one round's acceptance is mostly noise: at 0.3 per position, 70% of rounds
-    accept nothing), instead of probing ever more rarely against what the first request measured. In a
+    where its acceptance alone decides) drafted for fewer than `min_rounds` rounds is new traffic: its
+    probes wait their price alone (`probe_gap`), not the interval grown over earlier requests, until it
+    was. A server whose first request drafts badly then measures each new request over a few rounds (one
+    round's acceptance is mostly noise: at 0.3 per position, 70% of rounds accept nothing), instead of
+    probing ever more rarely against what the first request measured; where a drafted round costs little
+    beyond its tokens that is every other round, and where it costs several plain rounds (a drafter as
+    slow as its target) each new request's probes stay within `overhead` of its plain rounds. In a
     batch a new request moves the expected tokens by about 1 / R of its acceptance, and the probes measure
     it: forcing rounds for each new request there would draft at a loss wherever drafting does not pay
     (at R = 8 on SmolLM2, 9% of rounds, each 19% slower)."""
@@ -258,9 +261,10 @@ class DraftGate:
                 return False  # a plain round, timed: what drafting is compared with
             return True
         interval, skipped = self.interval.get(R, 1), self.skipped.get(R, 0)
-        wait = 1  # too few drafted rounds timed at R, or for these requests: every other round
-        if not new and self.speed(R, True)[1] >= self.min_rounds:
-            wait = min(self.max_interval, max(interval, self.probe_gap(R, behind)))
+        wait = 1  # too few drafted rounds timed at R: every other round
+        if self.speed(R, True)[1] >= self.min_rounds:  # a probe's price; new traffic does not wait the interval out
+            gap = self.probe_gap(R, behind)
+            wait = min(self.max_interval, gap if new else max(interval, gap))
         if skipped >= wait:  # a probe
             self.interval[R], self.skipped[R] = min(2 * interval, self.max_interval), 0
             return True
