@@ -352,7 +352,7 @@ class SpeculativeDecoder:
             n, y = verify_choices(drafts, l, z.argmax(-1), first)  # no q, p or uniforms needed
             return n.tolist(), y.tolist()
         p = batch_probs(z, [r.sp for r, k in zip(reqs, n_rows) for _ in range(k)])  # (T, V)
-        if not p.sum(-1).isfinite().all():  # rows of p are in [0, 1] or NaN: a NaN or inf makes its sum one
+        if not p.sum(-1).isfinite().all():  # entries in [0, 1] or NaN: any NaN or inf makes its row sum non-finite
             raise FloatingPointError("the target's distribution is not finite (NaN/inf logits)")
         # rejection sampling with each request's own generator (greedy requests too: their p is one-hot)
         u = torch.stack([torch.rand(drafts.shape[1], generator=r.gen, dtype=torch.float64) for r in reqs])
