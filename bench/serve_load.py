@@ -14,20 +14,22 @@ it) on 127.0.0.1: every mode is its own application (route /<mode>) with the ben
 --config file's; --set goes over both. All modes share one cost table (SPS(B) and the drafter's
 t_d(R)): the first application deployed profiles it in its replica (or --sps-table gives it), and it is
 printed: the per-round costs.
-Prompts: the first user turn of each eval.prompt_sets conversation, sent as chat (the SmolLM2
-config), else the built-in corpus's held-out code and prose prompts as plain text; taken from the sets in
-turn, so that a load's first requests cover every set. Each user sends
-them one after another (streamed, T=1, max_tokens 64) for --seconds or --requests per user, whichever
-ends first (--seconds 0, the default: exactly --requests each); TTFT is measured by the client (the
-first text chunk). Every mode sees the same prompts with the same seeds, and seeded sampling makes each
-output a function of its prompt and seed: without a deadline every mode does the same work (the tables
-give the tokens each point produced: equal in float32; in bfloat16 a verification forward over more
-tokens can round a near-tie the other way), and tokens/s compares speed.
---repeats N measures every point N times, the modes in a rotated order each time (so a slow spell of
-the machine does not fall on one mode); tables give medians, and the adaptive/best-fixed ratio is
-taken within each repeat. Writes results.json, a table and a throughput vs per-user speed PNG (the
-paper's Fig. 7 axes), and gates.json: what each adaptive mode's draft gate measured (tokens/s of its
-drafted and of its plain rounds at each number of requests, over the whole run), printed as [gate] lines.
+Prompts: the first user turn of each eval.prompt_sets conversation, sent as chat (the SmolLM2 config),
+else the built-in corpus's held-out code and prose prompts as plain text; taken from the sets in turn,
+so that a load's first requests cover every set. Each user sends them one after another (streamed, T=1,
+max_tokens 64) for --seconds or --requests per user, whichever ends first (--seconds 0, the default:
+exactly --requests each, and at least --min-requests per point in all: at C = 1 a few requests last a
+few seconds, shorter than the machine's slow spells); TTFT is measured by the client (the first text
+chunk). Every mode sees the same prompts with the same seeds, and seeded sampling makes each output a
+function of its prompt and seed: without a deadline every mode does the same work (the tables give the
+tokens each point produced: equal in float32; in bfloat16 a verification forward over more tokens can
+round a near-tie the other way), and tokens/s compares speed.
+--repeats N measures every point N times; at each load the modes run one after another, in an order
+rotated each repeat (so a slow spell of the machine does not fall on one mode); tables give medians,
+and the adaptive/best-fixed ratio is taken within each repeat. Writes results.json, a table and a
+throughput vs per-user speed PNG (the paper's Fig. 7 axes), and gates.json: what each adaptive mode's
+draft gate measured (tokens/s of its drafted and of its plain rounds at each number of requests, over
+the whole run), printed as [gate] lines.
 """
 
 from __future__ import annotations
@@ -221,6 +223,7 @@ def main(argv=None):
     p.add_argument("--max-batch", type=int, default=0, help="serve.max_batch (default: the largest concurrency)")
     p.add_argument("--seconds", type=float, default=0, help="stop sending after this long (0: no deadline)")
     p.add_argument("--requests", type=int, default=4, help="per user, per point")
+    p.add_argument("--min-requests", type=int, default=16, help="per point: at low load each user sends more")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--static", default="1,2,4", help="static lengths to compare")
     p.add_argument("--modes", default="", help="only these modes (comma-separated names; default all)")
@@ -273,27 +276,36 @@ def main(argv=None):
     sampling = {"max_tokens": args.max_tokens, "temperature": 1.0}
     vllm = VLLM_MODE if args.vllm else None
     results: dict = {m: {c: [] for c in conc} for m in [*modes, *([vllm] if vllm else [])]}
+
+    def measure(rep: int, mode: str, c: int) -> None:
+        per_user = max(args.requests, math.ceil(args.min_requests / c))
+        r = asyncio.run(load(urls[mode], prompts, c, args.seconds, per_user, sampling))
+        results[mode][c].append(r)
+        print(
+            f"[{rep + 1}/{args.repeats}] {mode:30s} C={c:3d}: {r['tok_s']:7.1f} tok/s total, "
+            f"{r['per_user_tok_s']:6.1f} per user, p50 {r['p50']:.2f}s p99 {r['p99']:.2f}s, "
+            f"TTFT {r['ttft_p50']:.2f}s, budget {fmt(r['budget'], '.2f')}, "
+            f"drafting {fmt(r['drafting_share'], '.2f')} ({r['requests']} requests)",
+            flush=True,
+        )
+
+    for mode in modes:  # warm-up
+        asyncio.run(load(urls[mode], prompts, 1, 5, 2, {**sampling, "max_tokens": 16}))
     for rep in range(args.repeats):
-        order = list(results)[rep % len(results) :] + list(results)[: rep % len(results)]
-        for mode in order:
-            proc = None
-            if mode == vllm:
-                proc, urls[mode] = start_vllm(cfg, Path(args.vllm_venv), max_batch, out / "vllm-server.log")
+        # the modes one after another at each load (so that they see the same spell of the machine), in an
+        # order rotated each repeat; vLLM (its own server, started for this) after them, at every load
+        order = list(modes)[rep % len(modes) :] + list(modes)[: rep % len(modes)]
+        for c in conc:
+            for mode in order:
+                measure(rep, mode, c)
+        if vllm:
+            proc, urls[vllm] = start_vllm(cfg, Path(args.vllm_venv), max_batch, out / "vllm-server.log")
             try:
-                asyncio.run(load(urls[mode], prompts, 1, 5, 2, {**sampling, "max_tokens": 16}))  # warm-up
+                asyncio.run(load(urls[vllm], prompts, 1, 5, 2, {**sampling, "max_tokens": 16}))  # warm-up
                 for c in conc:
-                    r = asyncio.run(load(urls[mode], prompts, c, args.seconds, args.requests, sampling))
-                    results[mode][c].append(r)
-                    print(
-                        f"[{rep + 1}/{args.repeats}] {mode:30s} C={c:3d}: {r['tok_s']:7.1f} tok/s total, "
-                        f"{r['per_user_tok_s']:6.1f} per user, p50 {r['p50']:.2f}s p99 {r['p99']:.2f}s, "
-                        f"TTFT {r['ttft_p50']:.2f}s, budget {fmt(r['budget'], '.2f')}, "
-                        f"drafting {fmt(r['drafting_share'], '.2f')} ({r['requests']} requests)",
-                        flush=True,
-                    )
+                    measure(rep, vllm, c)
             finally:
-                if proc is not None:
-                    stop_vllm(proc)
+                stop_vllm(proc)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     # what each adaptive mode's draft gate measured over the run: tokens/s of drafted and plain rounds per R
     gates = {}
