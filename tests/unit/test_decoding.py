@@ -23,7 +23,7 @@ from tiny_models import tiny_model, untrained_drafter
 from dspark import target as targets
 from dspark.decoding import speculative as spec
 from dspark.decoding.runner import TargetRunner
-from dspark.decoding.sampling import BatchSampler, SamplingParams, inverse_cdf, probs
+from dspark.decoding.sampling import HEAD, BatchSampler, SamplingParams, inverse_cdf, keyed_uniform, probs, race_winner
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.decoding.verify import verify_sampled
 from dspark.errors import UserError
@@ -499,6 +499,57 @@ def test_seeded_sampling_matches_target_distribution(tiny):
     p_value, power = _chi2(law, [tuple(r.out[:3]) for r in reqs])
     print(f"[exactness] seeded (Gumbel-max) sampling: n={n}, chi-square p={p_value:.3f}, power {power:.3f}")
     assert power >= 0.9 and p_value > 1e-3, p_value
+
+
+def test_keyed_uniforms_are_the_splitmix64_stream():
+    """u(key, v) is output v + 1 of splitmix64 keyed by key (computed here with Python integers), 53 bits."""
+    M = (1 << 64) - 1
+
+    def reference(key, v):
+        z = (key + (v + 1) * 0x9E3779B97F4A7C15) & M
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
+        return (((z ^ (z >> 31)) >> 11) + 0.5) * 2.0**-53
+
+    keys = [0, 1, 12345, (1 << 62) + 7, (1 << 63) - 1]
+    ids = [0, 1, 2, 49151, 49152, 151_935]
+    got = keyed_uniform(np.array([k for k in keys for _ in ids], dtype=np.uint64), np.array(ids * len(keys)))
+    assert got.tolist() == [reference(k, v) for k in keys for v in ids]
+    assert 0 < got.min() and got.max() < 1
+
+
+def test_the_keyed_race_draws_p_exactly_with_a_heavy_tail():
+    """race_winner over seeds is p: 3 likely tokens (0.45, 0.2, 0.1) and a tail of 0.25 spread over 29,997
+    tokens each below HEAD (one shared clock, then inverse CDF), counted per head token and per tenth
+    of the tail's ids; the same draws over a draft vocabulary's columns."""
+    V, n = 30_000, 20_000
+    g = torch.Generator().manual_seed(0)
+    head = torch.tensor([17, 5000, 29_999])
+    w = torch.rand(V, generator=g) + 0.5
+    w[head] = 0.0
+    p = w / w.sum() * 0.25
+    p[head] = torch.tensor([0.45, 0.2, 0.1])
+    assert p.max(-1).values > HEAD and p[p < 0.1].max() <= HEAD
+    bins = torch.arange(V) * 10 // V  # tail cells: tenths of the ids
+    cell = lambda tok: int((head == tok).nonzero()[0, 0]) if tok in head else 3 + int(bins[tok])  # noqa: E731
+    law = {i: float(p[head[i]]) for i in range(3)}
+    law.update({3 + b: float(p[(bins == b) & (w > 0)].sum()) for b in range(10)})
+    draws = []
+    for lo in range(0, n, 1000):
+        keys = [(seed, 7) for seed in range(lo, lo + 1000)]
+        draws += race_winner(p.expand(1000, V), keys).tolist()
+    p_value, power = _chi2(law, [cell(t) for t in draws])
+    tail = sum(t not in head for t in draws) / n
+    print(
+        f"[exactness] keyed race, tail 0.25 below HEAD: chi-square p={p_value:.3f}, power {power:.3f}, tail {tail:.3f}"
+    )
+    assert power >= 0.9 and p_value > 1e-3, p_value
+    cols = torch.arange(0, V, 2).sort().values  # a draft vocabulary: every other id, q = p there, renormalised
+    cols = torch.unique(torch.cat([cols, head]))
+    q = p[cols] / p[cols].sum()
+    full = torch.zeros(V).index_copy_(0, cols, q)
+    keys = [(seed, 7) for seed in range(500)]
+    assert torch.equal(cols[race_winner(q.expand(500, -1), keys, cols, V)], race_winner(full.expand(500, V), keys))
 
 
 def test_tiny_temperature_is_finite_and_greedy(tgt, prompt):

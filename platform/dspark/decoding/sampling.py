@@ -10,16 +10,19 @@ x_t is an exact sample of p_t, and it is a deterministic function of the seed an
 seeded request's output never depends on the drafter, the verification lengths or the batch. The
 drafter proposes with the same noise (argmax of log q_t + g_t), so verification is "accept iff the
 draft equals the target's perturbed argmax" (the greedy rule on perturbed scores).
-It is computed as the equivalent exponential race: with g = -log E, E_{t,v} = -log u_{t,v} ~ Exp(1),
+It is computed as the equivalent exponential race: with g = -log E, E_{t,v} ~ Exp(1) a function of
+(seed, t, v) (`keyed_uniform`, a counter-based hash),
     x_t = argmax_v  p_t(v) / E_{t,v}   (the first of independent clocks E_v / p_v to ring),
-one logarithm over the vocabulary per position instead of three, and a position's clocks are drawn once
-for the drafter's proposal and the target's verification of the same position (`race_times`)."""
+with the unlikely tokens (p_t(v) <= HEAD) sharing one clock of rate p_t(tail) and, when it rings first,
+x_t drawn within the tail by inverse CDF (`race_winner`): still exactly p_t, at the cost of the likely
+tokens' clocks instead of one per vocabulary entry. Each clock depends on its key and token alone, so
+the drafter and the target read the same clock for the same token of the same position."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dspark.errors import UserError
@@ -49,10 +52,9 @@ def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     z = logits.float()
     if sp.greedy:
         return torch.nn.functional.one_hot(z.argmax(-1), z.shape[-1]).float()
-    # subtract the max BEFORE dividing: a tiny T then sends the others to -inf instead of inf - inf = NaN
-    z = z - z.max(-1, keepdim=True).values
     if sp.temperature != 1.0:
-        z = z / sp.temperature
+        # subtract the max BEFORE dividing: a tiny T then sends the others to -inf instead of inf - inf = NaN
+        z = (z - z.max(-1, keepdim=True).values) / sp.temperature
     if sp.top_k and sp.top_k < z.shape[-1]:
         kth = z.topk(sp.top_k, -1).values[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))
@@ -83,32 +85,65 @@ def batch_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
 
 
 _MASK64 = (1 << 64) - 1
+HEAD = 2.0**-16  # tokens more likely than this race with clocks of their own; the rest share one
 
 
 def _mix(seed: int, position: int) -> int:
-    """splitmix64 of (seed, position) -> a 63-bit generator seed; distinct positions of one seed
-    give distinct seeds."""
+    """splitmix64 of (seed, position) -> a 63-bit key; distinct positions of one seed give distinct keys."""
     z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1
 
 
-@functools.lru_cache(maxsize=128)  # a round's positions (R x (gamma + 1)), reused by its verification
-def _race_time(seed: int, position: int, vocab: int) -> torch.Tensor:
-    """(V,) float64 Exp(1) clocks of one output position of a seeded request (read-only: it is cached)."""
-    u = torch.rand(vocab, generator=torch.Generator().manual_seed(_mix(seed, position)), dtype=torch.float64)
-    return -torch.log(u)  # u = 0 gives inf: that token is never chosen (probability 2^-53)
+def keyed_uniform(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """(m,) float64 uniforms in (0, 1), element i a function of (keys[i], ids[i]) alone: output ids[i] + 1 of
+    the splitmix64 stream keyed by keys[i] (uint64 arithmetic wraps modulo 2^64), 53 bits. No generator
+    state: a token's clock costs the same whichever other tokens are read."""
+    with np.errstate(over="ignore"):
+        z = keys.astype(np.uint64) + (ids.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
 
 
-def race_times(keys: list[tuple[int, int]], vocab: int) -> torch.Tensor:
-    """(n, V) float64 Exp(1) clocks E, row i for the (seed, output position) keys[i] of a seeded request."""
-    return torch.stack([_race_time(seed, position, vocab) for seed, position in keys])
-
-
-def race_winner(p: torch.Tensor, times: torch.Tensor) -> torch.Tensor:
-    """argmax_v p_v / E_v per row, an exact sample of p (Gumbel-max, g = -log E); p (n, V), times (n, V)."""
-    return (p.to("cpu", torch.float64) / times).argmax(-1)
+def race_winner(
+    p: torch.Tensor, keys: list[tuple[int, int]], ids: torch.Tensor | None = None, vocab: int = 0
+) -> torch.Tensor:
+    """The column of each row of p (n, C) whose clock rings first, an exact sample of the row; row i keyed by
+    the (seed, output position) keys[i]. Columns score target ids `ids` (C,) of a vocabulary of `vocab`
+    (None: column = id, vocab = C).
+        head H = {v : p_v > HEAD}:  clock E_v / p_v,  E_v = -log u(key, v) ~ Exp(1)
+        tail T = the rest:          one clock E_T / p(T),  E_T = -log u(key, vocab)
+    Independent exponentials with rates p_v (v in H) and p(T): each rings first with probability equal to
+    its rate, so v in H wins with p_v and T with p(T); T's winner is then drawn from p restricted to T by
+    inverse CDF with the uniform u(key, vocab + 1). The draw is p's exactly, and H and T depend on p alone.
+    A token's clock is the same for every distribution it races in (the drafter's q and the target's p of
+    one position): the Gumbel-max coupling on the likely tokens, at the cost of those tokens only."""
+    n, C = p.shape
+    vocab = vocab or C
+    key = np.array([_mix(seed, t) for seed, t in keys], dtype=np.uint64)  # (n,)
+    P = p.detach().to("cpu", torch.float32).numpy()  # (n, C)
+    head = P > HEAD
+    r, c = np.divmod(np.flatnonzero(head), C)  # (m,) each, row-major: row r's entries are one run
+    tid = c if ids is None else ids.cpu().numpy()[c]
+    score = P[r, c] / -np.log(keyed_uniform(key[r], tid))  # p_v / E_v, float64
+    col, best = np.zeros(n, dtype=np.int64), np.zeros(n)  # best 0: a row without head entries
+    if len(r):
+        starts = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])  # where each row's run begins
+        rows = r[starts]
+        best[rows] = np.maximum.reduceat(score, starts)
+        won = np.flatnonzero(score == best[r])  # increasing: the first of each row is its first winner
+        first = np.flatnonzero(np.r_[True, r[won][1:] != r[won][:-1]])
+        col[r[won][first]] = c[won][first]
+    mass = (P * ~head).sum(-1).astype(np.float64)  # p(T), summed in p's own precision
+    tail_won = np.flatnonzero(mass / -np.log(keyed_uniform(key, np.full(n, vocab))) > best)
+    if len(tail_won):
+        t = torch.from_numpy(tail_won)
+        u = torch.from_numpy(keyed_uniform(key[tail_won], np.full(len(tail_won), vocab + 1)))
+        col[tail_won] = inverse_cdf(p.detach().cpu()[t].masked_fill(torch.from_numpy(head[tail_won]), 0.0), u).numpy()
+    return torch.from_numpy(col)
 
 
 def inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -165,10 +200,9 @@ class BatchSampler:
             toks = torch.zeros(len(self.params), dtype=torch.long)
             if plain:
                 toks[plain] = inverse_cdf(rows[plain], u[plain])
-            # Gumbel-max with the clocks of each keyed request's output position (at the given ids)
-            full = vocab if ids is not None else rows.shape[-1]
-            times = race_times([(self.keys[r][0], self.keys[r][1] + self.calls) for r in keyed], full)
-            toks[keyed] = race_winner(rows[keyed], times if ids is None else times[:, ids.cpu()])
+            # the race of each keyed request's output position, its clocks read at the given ids
+            at = [(self.keys[r][0], self.keys[r][1] + self.calls) for r in keyed]
+            toks[keyed] = race_winner(rows[keyed], at, ids, vocab)
         self.calls += 1
         toks = toks.to(rows.device)
         return (toks if ids is None else ids.to(rows.device)[toks]), rows

@@ -30,7 +30,7 @@ import torch
 from dspark.calibration import sts
 from dspark.calibration.sts import Calibration
 from dspark.decoding.runner import TargetRunner
-from dspark.decoding.sampling import BatchSampler, SamplingParams, batch_probs, race_times, race_winner
+from dspark.decoding.sampling import BatchSampler, SamplingParams, batch_probs, race_winner
 from dspark.decoding.verify import verify_choices, verify_sampled
 from dspark.errors import UserError
 from dspark.models.drafter import Drafter, DraftState
@@ -354,17 +354,20 @@ class SpeculativeDecoder:
         p = batch_probs(z, [r.sp for r, k in zip(reqs, n_rows) for _ in range(k)])  # (T, V)
         if not p.sum(-1).isfinite().all():  # entries in [0, 1] or NaN: any NaN or inf makes its row sum non-finite
             raise FloatingPointError("the target's distribution is not finite (NaN/inf logits)")
+        seeded = [i for i, r in enumerate(reqs) if r.reproducible and not r.sp.greedy]
+        if len(seeded) == len(reqs):  # every request's token is its race's winner: no rejection sampling
+            keys = [(r.seed, len(r.out) + k) for r, m in zip(reqs, n_rows) for k in range(m)]  # row by row
+            n, y = verify_choices(drafts, l, race_winner(p, keys), first)
+            return n.tolist(), y.tolist()
         # rejection sampling with each request's own generator (greedy requests too: their p is one-hot)
         u = torch.stack([torch.rand(drafts.shape[1], generator=r.gen, dtype=torch.float64) for r in reqs])
         v = torch.stack([torch.rand((), generator=r.gen, dtype=torch.float64) for r in reqs])
         n, y = verify_sampled(drafts, l, q, p, first, u, v, q_ids)
-        seeded = [i for i, r in enumerate(reqs) if r.reproducible and not r.sp.greedy]
         if seeded:  # the greedy rule on the perturbed scores, noise keyed by (seed, output position) (sampling.py)
             rows = torch.cat([torch.arange(first[i], first[i] + lengths[i] + 1) for i in seeded])
             keys = [(reqs[i].seed, len(reqs[i].out) + k) for i in seeded for k in range(lengths[i] + 1)]  # as `rows`
-            times = race_times(keys, p.shape[-1])
             choice = torch.zeros(len(p), dtype=torch.long)
-            choice[rows] = race_winner(p[rows], times)
+            choice[rows] = race_winner(p[rows], keys)
             idx = torch.tensor(seeded)
             n[idx], y[idx] = verify_choices(drafts[idx], l[idx], choice, first[idx])
         return n.tolist(), y.tolist()
