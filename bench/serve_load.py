@@ -29,7 +29,9 @@ rotated each repeat (so a slow spell of the machine does not fall on one mode); 
 and the adaptive/best-fixed ratio is taken within each repeat. Writes results.json, a table and a
 throughput vs per-user speed PNG (the paper's Fig. 7 axes), and gates.json: what each adaptive mode's
 draft gate measured (tokens/s of its drafted and of its plain rounds at each number of requests, over
-the whole run), printed as [gate] lines.
+the whole run), printed as [gate] lines, and what every round of each kind took ([gate run] lines: a
+drafted round's tokens/s with the drafter's catch-up over earlier plain rounds' and new prompts'
+positions, which the gate's timing leaves out, and that catch-up's share of its time).
 """
 
 from __future__ import annotations
@@ -212,6 +214,13 @@ def median_row(rows: list[dict]) -> dict:
     return {k: (statistics.median(r[k] for r in rows) if rows[0][k] is not None else None) for k in rows[0]}
 
 
+def run_line(kind: str, v: dict) -> str:
+    """One kind of round over the run: how many, tokens/s with its catch-up, the catch-up's share."""
+    total = v["seconds"] + v["catch_up_s"]
+    line = f"{kind} {v['rounds']} rounds, {v['tokens'] / total:.1f} tok/s"
+    return line + (f" (catch-up {v['catch_up_s'] / total:.0%} of it)" if kind == "drafted" else "")
+
+
 def fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -321,6 +330,8 @@ def main(argv=None):
                 f"[gate] {mode}, R={R}: "
                 + ", ".join(f"{k} {v['tokens_per_s']:.1f} tok/s over {v['rounds']} rounds" for k, v in speed.items())
             )
+        for R, kinds in (gate or {}).get("run", {}).items():
+            print(f"[gate run] {mode}, R={R}: " + ", ".join(run_line(k, v) for k, v in kinds.items()))
     (out / "gates.json").write_text(json.dumps(gates, indent=1) + "\n")
     med = {m: {c: median_row(rs) for c, rs in rows.items()} for m, rows in results.items()}
     print(

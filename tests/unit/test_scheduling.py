@@ -202,11 +202,15 @@ def test_the_draft_gate_follows_what_rounds_took_over_its_model():
     slow.observe([4], [1])
     assert not slow.drafting_pays(1)
     for drafted, tokens, seconds in [(False, 1, 0.01)] * 2 + [(True, 4, 0.02)] * 2:
-        slow.timed(1, drafted, tokens, seconds)
+        slow.timed(1, drafted, tokens, seconds, catch_up_s=0.005 if drafted else 0.0)  # the catch-up: not timed
     assert slow.drafting_pays(1) and slow(1)
     assert slow.state()["speed"]["1"] == {
         "drafted": {"tokens_per_s": pytest.approx(200.0), "rounds": 2},
         "plain": {"tokens_per_s": pytest.approx(100.0), "rounds": 2},
+    }
+    assert slow.state()["run"]["1"] == {  # the run's totals count it
+        "drafted": {"rounds": 2, "tokens": 8, "seconds": pytest.approx(0.04), "catch_up_s": pytest.approx(0.01)},
+        "plain": {"rounds": 2, "tokens": 2, "seconds": pytest.approx(0.02), "catch_up_s": 0.0},
     }
 
 

@@ -1,5 +1,6 @@
 """bench/serve_load.py takes its prompts from the prompt sets in turn, so that a load's first requests
-(a user sends items u, u + C, ...) cover every set rather than the first set only."""
+(a user sends items u, u + C, ...) cover every set rather than the first set only; its [gate run] lines
+count the drafter's catch-up in a drafted round's speed."""
 
 import json
 import sys
@@ -7,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
-from serve_load import bench_prompts, round_robin  # noqa: E402
+from serve_load import bench_prompts, round_robin, run_line  # noqa: E402
 
 from dspark.config import load_config  # noqa: E402
 
@@ -24,3 +25,9 @@ def test_first_requests_cover_every_prompt_set():
     prompts = bench_prompts(cfg)
     assert [p["messages"][0]["content"] for p in prompts[: len(lines)]] == firsts
     assert len(prompts) == sum(map(len, lines))
+
+
+def test_a_drafted_rounds_speed_counts_its_catch_up():
+    drafted = {"rounds": 10, "tokens": 90, "seconds": 0.8, "catch_up_s": 0.2}
+    assert run_line("drafted", drafted) == "drafted 10 rounds, 90.0 tok/s (catch-up 20% of it)"
+    assert run_line("plain", {**drafted, "catch_up_s": 0.0}) == "plain 10 rounds, 112.5 tok/s"

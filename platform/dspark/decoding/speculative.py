@@ -327,7 +327,7 @@ class SpeculativeDecoder:
         self.active = [r for r in reqs if not r.done]
         if self.gate is not None and self.gamma:
             seconds = time.perf_counter() - start - probe_s
-            self.gate.timed(len(reqs), prop is not None, sum(n_acc) + len(reqs), seconds)
+            self.gate.timed(len(reqs), prop is not None, sum(n_acc) + len(reqs), seconds, probe_s)
 
     def _verify(
         self,

@@ -245,6 +245,7 @@ class DraftGate:
         self.pays: dict[int, bool] = {}  # draft_pays(alpha, R, o(R)) by R, until alpha or o(R) next changes
         self.rounds_timed: dict[tuple[int, bool], RoundTimes] = {}  # (R, drafted) -> what those rounds took
         self.since_plain: dict[int, int] = {}  # R -> drafted rounds since a plain round was timed at R
+        self.totals: dict[tuple[int, bool], np.ndarray] = {}  # (R, drafted) -> rounds, tokens, s, catch-up s
         self.accepted, self.request_rounds = 0.0, 0  # the server's mean accepted drafts per request and drafted round
 
     def __call__(self, R: int, behind: int = 0, own: Optional[list[tuple[int, int]]] = None) -> bool:
@@ -336,10 +337,12 @@ class DraftGate:
                     self.alpha[j], self.rounds[j], float((n[reached] > j).mean()), self.weight
                 )
 
-    def timed(self, R: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """A round of R requests emitted `tokens` in `seconds` (its catch-up excluded); drafted or plain."""
+    def timed(self, R: int, drafted: bool, tokens: int, seconds: float, catch_up_s: float = 0.0) -> None:
+        """A round of R requests emitted `tokens` in `seconds` (its catch-up excluded); drafted or plain.
+        `catch_up_s`, the catch-up it excluded, is only counted in the run's totals (`state`)."""
         if seconds <= 0:
             return
+        self.totals[R, drafted] = self.totals.get((R, drafted), np.zeros(4)) + (1, tokens, seconds, catch_up_s)
         self.rounds_timed.setdefault((R, drafted), RoundTimes(1 / self.window)).add(tokens, seconds)
         if not drafted:
             self.pays.pop(R, None)  # o(R) moved
@@ -351,12 +354,21 @@ class DraftGate:
         return (times.rate, times.n) if times else (0.0, 0)
 
     def state(self) -> dict:
-        """What the gate decides from: alpha and the measured tokens/s per R (for the engine's state)."""
+        """What the gate decides from (alpha, the measured tokens/s per R) and, per R, what every round
+        of each kind took over the run, the catch-up that timing leaves out included (for the engine's state)."""
         speeds: dict[str, dict] = {}
         for R, drafted in sorted(dict(self.rounds_timed)):  # a copy: the engine thread writes it
             speed, n = self.speed(R, drafted)
             speeds.setdefault(str(R), {})["drafted" if drafted else "plain"] = {"tokens_per_s": speed, "rounds": n}
-        return {"alpha": self.alpha.round(4).tolist(), "speed": speeds}
+        run: dict[str, dict] = {}
+        for (R, drafted), (n, tokens, seconds, catch_up) in sorted(dict(self.totals).items()):
+            run.setdefault(str(R), {})["drafted" if drafted else "plain"] = {
+                "rounds": int(n),
+                "tokens": int(tokens),
+                "seconds": seconds,
+                "catch_up_s": catch_up,
+            }
+        return {"alpha": self.alpha.round(4).tolist(), "speed": speeds, "run": run}
 
 
 POLICIES = ("none", "static", "threshold", "greedy", "async")
