@@ -301,9 +301,9 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         timed = gate.timed
         total = [0]  # tokens emitted so far
 
-        def fake_timed(R, drafted, n, s):  # plain rounds: 1 s for R tokens; drafted 0.5 or 3 s, by `total`
-            total[0] += n
-            timed(R, drafted, n, n / R * (0.5 if total[0] < 8000 else 3.0) if drafted else 1.0)
+        def fake_timed(R, drafted, n, s, catch_up_s=0.0):  # plain rounds: 1 s for R tokens; drafted 0.5 or 3 s
+            total[0] += n  # (by `total`)
+            timed(R, drafted, n, n / R * (0.5 if total[0] < 8000 else 3.0) if drafted else 1.0, catch_up_s)
 
         gate.timed = fake_timed
         measured, verdicts = gate.measured, []  # the measured verdicts the gate drew
@@ -314,7 +314,7 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         "timed",
         "lone",
     ):  # the model's decisions alone (min_rounds 0): the wall clock must not steer a test
-        gate.timed = lambda R, drafted, tokens, seconds: None
+        gate.timed = lambda R, drafted, tokens, seconds, catch_up_s=0.0: None
     R = 1 if kind == "lone" else 256
     dec = SpeculativeDecoder(model, PerturbedTarget(model, 4), gamma=4, policy=policy, max_slots=R, gate=gate)
     behind = []  # what the gate was told before each round: positions the drafter had not read
