@@ -661,7 +661,7 @@ def test_a_drafter_that_skipped_rounds_catches_up_to_the_same_state(tgt, prompt,
         def observe(self, verified, accepted):
             pass
 
-        def timed(self, R, drafted, tokens, seconds):
+        def timed(self, R, drafted, tokens, seconds, catch_up_s=0.0):
             pass
 
     dec = SpeculativeDecoder(tgt.model, drafter, gamma=4, gate=EveryThird())
