@@ -245,7 +245,7 @@ class DraftGate:
         self.pays: dict[int, bool] = {}  # draft_pays(alpha, R, o(R)) by R, until alpha or o(R) next changes
         self.rounds_timed: dict[tuple[int, bool], RoundTimes] = {}  # (R, drafted) -> what those rounds took
         self.since_plain: dict[int, int] = {}  # R -> drafted rounds since a plain round was timed at R
-        self.totals: dict[tuple[int, bool], np.ndarray] = {}  # (R, drafted) -> rounds, tokens, s, catch-up s
+        self.totals: dict[tuple[int, bool], list] = {}  # (R, drafted) -> rounds, tokens, s, catch-up s
         self.accepted, self.request_rounds = 0.0, 0  # the server's mean accepted drafts per request and drafted round
 
     def __call__(self, R: int, behind: int = 0, own: Optional[list[tuple[int, int]]] = None) -> bool:
@@ -342,7 +342,9 @@ class DraftGate:
         `catch_up_s`, the catch-up it excluded, is only counted in the run's totals (`state`)."""
         if seconds <= 0:
             return
-        self.totals[R, drafted] = self.totals.get((R, drafted), np.zeros(4)) + (1, tokens, seconds, catch_up_s)
+        total = self.totals.setdefault((R, drafted), [0, 0, 0.0, 0.0])
+        for i, x in enumerate((1, tokens, seconds, catch_up_s)):
+            total[i] += x
         self.rounds_timed.setdefault((R, drafted), RoundTimes(1 / self.window)).add(tokens, seconds)
         if not drafted:
             self.pays.pop(R, None)  # o(R) moved
