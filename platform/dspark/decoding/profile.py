@@ -107,7 +107,7 @@ def extend_time(target_model, drafter, context: int = 256, repeats: int = 5, war
     dec = SpeculativeDecoder(target_model, drafter, 1, max_slots=1, capacity=context + 2)
     req = Request(torch.randint(0, target_model.config.vocab_size, (context,)).tolist(), SamplingParams(1.0), 2)
     dec.add_many([req])  # the target's features of the prompt, as the drafter would read them
-    features, tokens = req.pending[0]
+    features, tokens = req.pending_context()
     times = []
     for i in range(warmup + repeats):
         state = DraftState()

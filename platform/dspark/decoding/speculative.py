@@ -94,10 +94,16 @@ class Request:
     behind: int = 0  # positions in `pending`
     gen: Optional[torch.Generator] = None
 
-    def defer(self, feats: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Committed positions (features (n, m, d), next tokens (n,)) for the drafter to read when it next drafts."""
+    def defer(self, feats: torch.Tensor, tokens: list[int]) -> None:
+        """Committed positions (features (n, m, d), next tokens n ids) for the drafter to read when it next
+        drafts; the ids stay a Python list until then (a round that does not draft builds no tensor)."""
         self.pending.append((feats, tokens))
         self.behind += len(tokens)
+
+    def pending_context(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every deferred position at once: features (behind, m, d) and next tokens (behind,)."""
+        feats = torch.cat([f for f, _ in self.pending])
+        return feats, torch.tensor([t for _, ids in self.pending for t in ids], device=feats.device)
 
     def clear_pending(self) -> None:
         self.pending.clear()
@@ -160,7 +166,7 @@ class SpeculativeDecoder:
             if self.drafter is not None:
                 for req, f, t in zip(reqs, firsts, out.taps):
                     req.state = DraftState()
-                    req.defer(t, torch.tensor(req.prompt[1:] + [f], device=t.device))
+                    req.defer(t, req.prompt[1:] + [f])
         except BaseException:
             for req in reqs:
                 self._release(req)
@@ -171,6 +177,8 @@ class SpeculativeDecoder:
             self._commit(req, [first], token_logprobs(x[-1:], [first], req.logprobs) if req.logprobs >= 0 else None)
             if not req.done:
                 self.active.append(req)
+        # in slot order: the runner's forward reads a sorted batch's KV slots in place (see runner.forward)
+        self.active.sort(key=lambda r: r.slot)
 
     def cancel(self, req: Request) -> None:
         """Drop a request between rounds (client gone): its KV slot is freed at once."""
@@ -223,11 +231,8 @@ class SpeculativeDecoder:
         if not behind:
             return True
         try:
-            self.drafter.extend(
-                [r.state for r in behind],
-                [torch.cat([f for f, _ in r.pending]) for r in behind],
-                [torch.cat([t for _, t in r.pending]) for r in behind],
-            )
+            feats, tokens = zip(*(r.pending_context() for r in behind))
+            self.drafter.extend([r.state for r in behind], list(feats), list(tokens))
         except Exception as e:  # its caches are now inconsistent: plain target decoding from here on
             self.drafter_error = f"{type(e).__name__}: {e}"
             self.drafter, self.gamma = None, 0
@@ -321,7 +326,7 @@ class SpeculativeDecoder:
             committed.append((r, out.taps[i][: 1 + n], new, lp))
         if self.drafter is not None:  # the drafter's context grows by x_0 and the accepted drafts
             for r, t, new, _ in committed:
-                r.defer(t, torch.tensor(new, device=t.device))
+                r.defer(t, new)
         for r, _, new, lp in committed:
             self._commit(r, new, lp)
         self.active = [r for r in reqs if not r.done]

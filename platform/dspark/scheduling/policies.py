@@ -245,7 +245,7 @@ class DraftGate:
         self.pays: dict[int, bool] = {}  # draft_pays(alpha, R, o(R)) by R, until alpha or o(R) next changes
         self.rounds_timed: dict[tuple[int, bool], RoundTimes] = {}  # (R, drafted) -> what those rounds took
         self.since_plain: dict[int, int] = {}  # R -> drafted rounds since a plain round was timed at R
-        self.totals: dict[tuple[int, bool], list] = {}  # (R, drafted) -> rounds, tokens, s, catch-up s
+        self.totals: dict[tuple[int, bool], tuple] = {}  # (R, drafted) -> rounds, tokens, s, catch-up s
         self.accepted, self.request_rounds = 0.0, 0  # the server's mean accepted drafts per request and drafted round
 
     def __call__(self, R: int, behind: int = 0, own: Optional[list[tuple[int, int]]] = None) -> bool:
@@ -264,8 +264,11 @@ class DraftGate:
         interval, skipped = self.interval.get(R, 1), self.skipped.get(R, 0)
         wait = 1  # too few drafted rounds timed at R: every other round
         if self.speed(R, True)[1] >= self.min_rounds:  # a probe's price; new traffic does not wait the interval out
-            gap = self.probe_gap(R, behind)
-            wait = min(self.max_interval, gap if new else max(interval, gap))
+            if skipped < interval and not new:  # short of the interval: no probe, whatever its price
+                wait = interval
+            else:
+                gap = self.probe_gap(R, behind)
+                wait = min(self.max_interval, gap if new else max(interval, gap))
         if skipped >= wait:  # a probe
             self.interval[R], self.skipped[R] = min(2 * interval, self.max_interval), 0
             return True
@@ -342,9 +345,8 @@ class DraftGate:
         `catch_up_s`, the catch-up it excluded, is only counted in the run's totals (`state`)."""
         if seconds <= 0:
             return
-        total = self.totals.setdefault((R, drafted), [0, 0, 0.0, 0.0])
-        for i, x in enumerate((1, tokens, seconds, catch_up_s)):
-            total[i] += x
+        n, t, s, c = self.totals.get((R, drafted), (0, 0, 0.0, 0.0))
+        self.totals[(R, drafted)] = (n + 1, t + tokens, s + seconds, c + catch_up_s)
         self.rounds_timed.setdefault((R, drafted), RoundTimes(1 / self.window)).add(tokens, seconds)
         if not drafted:
             self.pays.pop(R, None)  # o(R) moved
