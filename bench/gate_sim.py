@@ -1,7 +1,7 @@
 """The draft gate (scheduling.policies.DraftGate) on simulated rounds: how close it comes to the better of
 "always draft" and "never draft", for several of its noise margins z, where drafting wins and where it loses.
 
-    python bench/gate_sim.py [--z 2,1,0.5] [--seeds 40]
+    python bench/gate_sim.py [--z 1,0.5,0] [--seeds 40]
 
 A scenario is R requests for a number of rounds. A plain round emits R tokens in `plain_s` seconds; a
 drafted round verifies l drafts per request, accepted one after another with the per-position acceptance
@@ -94,7 +94,7 @@ def run(z, seed, R, rounds, plain_s, extra_s, l, warm, request_rounds, bad_first
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--z", default="2,1,0.5")
+    p.add_argument("--z", default="1,0.5,0")
     p.add_argument("--seeds", type=int, default=40)
     args = p.parse_args(argv)
     for z in [float(x) for x in args.z.split(",")]:

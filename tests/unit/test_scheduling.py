@@ -215,11 +215,11 @@ def test_the_draft_gate_follows_what_rounds_took_over_its_model():
 
 
 def test_drafting_goes_on_unless_the_measurement_shows_it_loses():
-    """Drafted rounds emit 1 to gamma + 1 tokens per request: a few unlucky ones must not stop drafting that
-    pays. Once both kinds of round were timed, drafting goes on, whatever the model says, unless drafted
-    rounds emit fewer tokens/s by more than `z` standard errors of the difference."""
+    """Once both kinds of round were timed, drafting goes on, whatever the model says, unless drafted rounds
+    emit fewer tokens/s (by more than `z` standard errors of the difference: with z > 0, a few unlucky
+    drafted rounds, each emitting 1 to gamma + 1 tokens per request, do not stop drafting)."""
     sps = SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.01])  # drafting costs a whole step
-    gate = DraftGate(sps, gamma=7, max_interval=8, overhead=math.inf, min_rounds=4)
+    gate = DraftGate(sps, gamma=7, max_interval=8, overhead=math.inf, min_rounds=4, z=1.0)
     gate.observe([7], [0])
     assert not gate.drafting_pays(1)  # the model: alpha 0, drafting never pays
     for _ in range(4):
@@ -228,6 +228,10 @@ def test_drafting_goes_on_unless_the_measurement_shows_it_loses():
         gate.timed(1, True, tokens, 0.02)  # drafted: 87.5 tokens/s, from rounds of 1 to 4 tokens
     assert gate.speed(1, True) == (pytest.approx(87.5), 4)
     assert gate.measured(1) is True and gate.drafting_pays(1) and gate(1)  # within the noise: it drafts
+    point = DraftGate(sps, gamma=7, max_interval=8, overhead=math.inf, min_rounds=4)  # z = 0: the rates decide
+    for drafted, tokens in [(False, 1)] * 4 + [(True, t) for t in (1, 4, 1, 1)]:
+        point.timed(1, drafted, tokens, 0.02 if drafted else 0.01)
+    assert point.measured(1) is False and not point.drafting_pays(1)  # 87.5 tokens/s against 100
     for _ in range(6):
         gate.timed(1, True, 1, 0.02)  # round after round of 50 tokens/s
     assert gate.speed(1, True) == (pytest.approx(65.0), 10)
