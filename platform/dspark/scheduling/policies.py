@@ -203,8 +203,8 @@ class DraftGate:
     other lengths than the static ones the model assumes then cannot make drafting lose for long; a few
     unlucky drafted rounds (a drafted round emits 1 to gamma + 1 tokens per request) that stop drafting
     which pays are outvoted by the probes that follow. z = 0 by default: with 1, drafting that lost 10% per
-    round at four SmolLM2 requests went on in 10% of their rounds (86 of 882; the requests' own acceptance
-    within the noise), against 3% with 0 (28 of 913); on `bench/gate_sim.py` the worst case rises from
+    round at four SmolLM2 requests went on in 10% of their rounds (86 of 882: 50 on a verdict within the
+    noise, 36 probes), against 3% with 0 (28 of 913: 12 and 16); on `bench/gate_sim.py` the worst case rises from
     0.963 to 0.968 of the better fixed choice, the price being a wider tail where drafting wins by 10%
     (10th percentile 0.898 against 0.928).
     Until then the model decides, its rounds priced with the measured cost of a plain round beyond the
