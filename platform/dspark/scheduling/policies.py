@@ -204,9 +204,9 @@ class DraftGate:
     unlucky drafted rounds (a drafted round emits 1 to gamma + 1 tokens per request) that stop drafting
     which pays are outvoted by the probes that follow. z = 0 by default: with 1, drafting that lost 10% per
     round at four SmolLM2 requests went on in 10% of their rounds (86 of 882: 50 on a verdict within the
-    noise, 36 probes), against 3% with 0 (28 of 913: 12 and 16); on `bench/gate_sim.py` the worst case rises from
-    0.963 to 0.968 of the better fixed choice, the price being a wider tail where drafting wins by 10%
-    (10th percentile 0.898 against 0.928).
+    noise, 36 probes), against 3% with 0 (28 of 913: 12 and 16); on `bench/gate_sim.py` the worst case
+    rises from 0.963 to 0.968 of the better fixed choice, the price being a wider tail where drafting wins
+    by 10% (10th percentile 0.898 against 0.928).
     Until then the model decides, its rounds priced with the measured cost of a plain round beyond the
     profiled forward pass (`overhead_s`). While drafting, a plain round is timed every other drafted round
     until there are `min_rounds` of them, then every `max_interval`-th (every other round for
@@ -267,13 +267,13 @@ class DraftGate:
                 return False  # a plain round, timed: what drafting is compared with
             return True
         interval, skipped = self.interval.get(R, 1), self.skipped.get(R, 0)
-        wait = 1  # too few drafted rounds timed at R: every other round
-        if self.speed(R, True)[1] >= self.min_rounds:  # a probe's price; new traffic does not wait the interval out
-            if skipped < interval and not new:  # short of the interval: no probe, whatever its price
-                wait = interval
-            else:
-                gap = self.probe_gap(R, behind)
-                wait = min(self.max_interval, gap if new else max(interval, gap))
+        if self.speed(R, True)[1] < self.min_rounds:  # too few drafted rounds timed at R: every other round
+            wait = 1
+        elif skipped < interval and not new:  # short of the interval: no probe, whatever its price
+            wait = interval
+        else:  # a probe's price; new traffic does not wait the interval out
+            gap = self.probe_gap(R, behind)
+            wait = min(self.max_interval, gap if new else max(interval, gap))
         if skipped >= wait:  # a probe
             self.interval[R], self.skipped[R] = min(2 * interval, self.max_interval), 0
             return True
