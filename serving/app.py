@@ -165,10 +165,12 @@ class EngineMetrics:
 def on_own_thread(fn):
     """fn() on a thread of its own, which then exits; its result, or its error raised here.
 
-    Torch's OpenMP pool belongs to the thread that runs a parallel op, and lives as long as that thread:
-    with a pool left on the replica's main thread, the engine thread decoded SmolLM2 with 2 torch threads
-    at 14 tok/s against 31 without one (bench/target_speed.py --threads 1,2). So the replica runs
-    its torch work (loading, profiling) on a thread that goes away before the engine thread starts."""
+    Torch's OpenMP pool belongs to the thread that runs a parallel op, and lives as long as that thread;
+    with more OpenMP threads in the process than CPUs, libgomp's workers sleep between parallel regions
+    instead of spinning: with a pool left on the replica's main thread, the engine thread decoded SmolLM2
+    with 2 torch threads at 14 tok/s against 31 without one (bench/target_speed.py --threads 1,2). So the
+    replica runs its torch work (loading, profiling) on a thread that goes away before the engine thread
+    starts, and the engine builds its decoder (the KV cache's allocation) on its own thread."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspark-setup") as pool:
         return pool.submit(fn).result()
 

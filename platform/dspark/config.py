@@ -258,9 +258,8 @@ class ServeConfig(Section):
     max_tokens_default: int = Field(128, ge=1)
     num_replicas: int = Field(1, ge=1)
     # CPUs Ray reserves for each engine replica, and the torch threads of its engine thread on CPU
-    # (target.threads is for the jobs). On a 2-core machine 1 leaves a core to Ray's proxy and the ingress,
-    # which handle every streamed token: SmolLM2 over HTTP at C = 1 / 4, 16.8 / 33.2 tok/s with 1 against
-    # 14.2 / 29.5 with 2 (bench/serve_load.py, target-only); offline, 2 threads decode 31 tok/s against 28
+    # (target.threads is for the jobs). Ray's proxy and the ingress need about 10% of a core besides
+    # (SmolLM2 at C = 1); configs/smollm2.yaml gives a 2-core machine's both cores to its engine
     num_cpus: int = Field(1, ge=1)
     # the engine replica sends each stream's new text at most this often (its first text and its end at
     # once; 0 = after every round), as Ray Serve LLM batches streamed responses (50 ms there): each message

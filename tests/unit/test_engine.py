@@ -1,6 +1,8 @@
 """The continuous-batching engine without Ray: concurrent requests join and leave between rounds and
 each still gets exactly the target's greedy output; bounded queue; cancellation; stop strings."""
 
+import threading
+
 import pytest
 import torch
 from tiny_models import untrained_drafter
@@ -179,6 +181,33 @@ def test_wrong_length_calibration_is_refused_up_front(tgt, drafter):
         assert isinstance(drain(eng.submit(ids_of(tgt, "z = "), SamplingParams(1.0), 8))[-1], Done)
     finally:
         eng.close()
+
+
+def test_the_decoder_is_built_on_the_engine_thread(tgt, drafter, monkeypatch):
+    """Its KV allocations run no OpenMP team on the caller's thread (with more OpenMP threads in the
+    process than CPUs, libgomp's workers sleep between parallel regions), and what building it raises
+    reaches the caller."""
+    built_on = []
+    real_init = SpeculativeDecoder.__init__
+
+    def init(self, *args, **kwargs):
+        built_on.append(threading.get_ident())
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "__init__", init)
+    eng = engine(tgt, drafter, max_batch=1)
+    try:
+        assert built_on == [eng.thread.ident] != [threading.get_ident()]
+        assert isinstance(drain(eng.submit(ids_of(tgt, "z = "), SamplingParams(0.0), 4))[-1], Done)
+    finally:
+        eng.close()
+
+    def broken(self, *args, **kwargs):
+        raise UserError("no room for the KV cache")
+
+    monkeypatch.setattr(SpeculativeDecoder, "__init__", broken)
+    with pytest.raises(UserError, match="no room for the KV cache"):
+        engine(tgt, drafter)
 
 
 def test_errors_are_events_with_an_http_status(tgt, drafter):
