@@ -162,6 +162,12 @@ class EngineMetrics:
             self.itl.observe(itl_s)
 
 
+def stream_interval(base_s: float, streams: int, messages_per_s: float) -> float:
+    """Seconds a stream holds its new text after a message: at least base_s, and long enough that
+    `streams` streams together send at most messages_per_s messages a second (0: no such cap)."""
+    return max(base_s, streams / messages_per_s) if messages_per_s > 0 else base_s
+
+
 def on_own_thread(fn):
     """fn() on a thread of its own, which then exits; its result, or its error raised here.
 
@@ -237,7 +243,8 @@ class SpeculativeEngine:
         )
         self.chat_template_kwargs = cfg.target.chat_template_kwargs
         self.sps, self.tokenizer, self.model_name = sps, tgt.tokenizer, sc.model_name
-        self.stream_interval_s = sc.stream_interval_s
+        self.stream_interval_s, self.stream_messages_per_s = sc.stream_interval_s, sc.stream_messages_per_s
+        self.sending = 0  # streams that sent their first text and have not ended (this replica's event loop)
         self.cal_version = -1
         if self.calibration:
             threading.Thread(target=self._sync_calibration, daemon=True).start()
@@ -277,9 +284,9 @@ class SpeculativeEngine:
 
     async def generate(self, body: dict) -> AsyncIterator[list[Event]]:
         """Streams lists of events: Text events, then one Done or Error. Each list is what the engine put
-        out since the previous one, adjacent texts merged, sent at most every serve.stream_interval_s (the
-        first text and the end at once): every message costs CPU in this replica, the ingress and the
-        proxy, which on a small machine is taken from the engine."""
+        out since the previous one, adjacent texts merged, sent at most every `stream_interval` (the first
+        text and the end at once): every message costs CPU in this replica, the ingress and the proxy,
+        which on a small machine is taken from the engine."""
         from dspark.decoding.engine import Overloaded
         from dspark.decoding.sampling import SamplingParams
         from dspark.errors import UserError
@@ -302,6 +309,7 @@ class SpeculativeEngine:
         wake = asyncio.Event()
         stream.notify = lambda: loop.call_soon_threadsafe(wake.set)
         batch, due, end = [], 0.0, False  # events not sent yet; when the next message may go; Done/Error drained
+        sending = False  # counted in self.sending
         try:
             while True:
                 wake.clear()  # before draining: an event put after the drain wakes the wait below
@@ -315,13 +323,18 @@ class SpeculativeEngine:
                     yield coalesce(batch)
                     if end:
                         return
-                    batch, due = [], loop.time() + self.stream_interval_s
+                    if not sending:
+                        sending, self.sending = True, self.sending + 1
+                    wait = stream_interval(self.stream_interval_s, self.sending, self.stream_messages_per_s)
+                    batch, due = [], loop.time() + wait
                     continue
                 try:  # the next event, or (holding text) the end of the interval
                     await asyncio.wait_for(wake.wait(), due - loop.time() if batch else None)
                 except TimeoutError:
                     pass
         finally:
+            if sending:
+                self.sending -= 1
             if stream.finish_reason is None:  # the client went away: free the slot (or the queue place)
                 self.engine.cancel(stream)
 

@@ -265,6 +265,9 @@ class ServeConfig(Section):
     # once; 0 = after every round), as Ray Serve LLM batches streamed responses (50 ms there): each message
     # costs CPU in the replica, the ingress and Ray's proxy, which on a small machine the engine loses
     stream_interval_s: float = Field(0.05, ge=0)
+    # and all its streams together send at most about this many messages a second (0 = no cap): each
+    # stream's interval is then at least (streams sending) / this
+    stream_messages_per_s: float = Field(40.0, ge=0)
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     sps_table: str = ""  # "" = profile SPS(B) at engine start; else a JSON table measured elsewhere
     sps_batches: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 12, 16, 24, 32, 48, 64])

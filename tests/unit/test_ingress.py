@@ -397,21 +397,22 @@ class Feed:
         self.cancelled.append(stream)
 
 
-async def started(interval: float):
+async def started(interval: float, messages_per_s: float = 0):
     """The engine replica as written, over a Feed, with its first `generate` call running."""
     replica = serving.SpeculativeEngine.func_or_class.__new__(serving.SpeculativeEngine.func_or_class)
-    replica.engine, replica.stream_interval_s = Feed(), interval
+    replica.engine, replica.stream_interval_s, replica.stream_messages_per_s = Feed(), interval, messages_per_s
+    replica.sending = 0
     replica.tokenizer, replica.chat_template_kwargs = SimpleNamespace(bos_token_id=None, encode=lambda t, **kw: [1]), {}
     gen = replica.generate({"prompt": "x", "temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 8})
     first = asyncio.ensure_future(anext(gen))
     while replica.engine.stream is None or replica.engine.stream.notify is None:
         await asyncio.sleep(0)
-    return replica.engine, gen, first
+    return replica.engine, gen, first, replica
 
 
 def test_the_replica_sends_the_first_text_at_once_then_holds_text_for_the_interval_but_not_the_end():
     async def run():
-        feed, gen, first = await started(interval=3600)
+        feed, gen, first, _ = await started(interval=3600)
         feed.put(Text("a", LP[:1]))
         assert await asyncio.wait_for(first, 30) == [Text("a", LP[:1])]  # the first text: not held
         nxt = asyncio.ensure_future(anext(gen))
@@ -425,9 +426,31 @@ def test_the_replica_sends_the_first_text_at_once_then_holds_text_for_the_interv
     asyncio.run(run())
 
 
+def test_a_streams_interval_grows_with_the_streams_sending_under_the_message_cap():
+    assert serving.stream_interval(0.05, 1, 40) == 0.05  # one stream: the base interval
+    assert serving.stream_interval(0.05, 8, 40) == 0.2  # eight: 40 messages a second in all
+    assert serving.stream_interval(0.05, 8, 0) == 0.05  # no cap
+
+    async def run():
+        feed, gen, first, replica = await started(interval=0, messages_per_s=1 / 3600)
+        assert replica.sending == 0  # nothing sent yet
+        feed.put(Text("a"))
+        assert await asyncio.wait_for(first, 30) == [Text("a")]  # the first text at once
+        nxt = asyncio.ensure_future(anext(gen))
+        feed.put(Text("b"))
+        await asyncio.sleep(0.05)
+        assert replica.sending == 1 and not nxt.done()  # one stream sending: held for 3600 s, not sent each round
+        feed.put(DONE)
+        assert await asyncio.wait_for(nxt, 30) == [Text("b"), DONE]  # the end at once
+        await gen.aclose()
+        assert replica.sending == 0  # the ended stream no longer counts
+
+    asyncio.run(run())
+
+
 def test_the_replica_sends_every_round_with_no_interval_and_cancels_a_stream_left_early():
     async def run():
-        feed, gen, first = await started(interval=0)
+        feed, gen, first, _ = await started(interval=0)
         feed.put(Text("a"))
         assert await asyncio.wait_for(first, 30) == [Text("a")]
         nxt = asyncio.ensure_future(anext(gen))
