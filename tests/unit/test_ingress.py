@@ -398,7 +398,7 @@ class Feed:
 
 
 async def started(interval: float, messages_per_s: float = 0):
-    """The engine replica as written, over a Feed, with its first `generate` call running."""
+    """The engine replica as written, over a Feed (`replica.engine`), with its first `generate` call running."""
     replica = serving.SpeculativeEngine.func_or_class.__new__(serving.SpeculativeEngine.func_or_class)
     replica.engine, replica.stream_interval_s, replica.stream_messages_per_s = Feed(), interval, messages_per_s
     replica.sending = 0
@@ -407,12 +407,13 @@ async def started(interval: float, messages_per_s: float = 0):
     first = asyncio.ensure_future(anext(gen))
     while replica.engine.stream is None or replica.engine.stream.notify is None:
         await asyncio.sleep(0)
-    return replica.engine, gen, first, replica
+    return replica, gen, first
 
 
 def test_the_replica_sends_the_first_text_at_once_then_holds_text_for_the_interval_but_not_the_end():
     async def run():
-        feed, gen, first, _ = await started(interval=3600)
+        replica, gen, first = await started(interval=3600)
+        feed = replica.engine
         feed.put(Text("a", LP[:1]))
         assert await asyncio.wait_for(first, 30) == [Text("a", LP[:1])]  # the first text: not held
         nxt = asyncio.ensure_future(anext(gen))
@@ -432,7 +433,8 @@ def test_a_streams_interval_grows_with_the_streams_sending_under_the_message_cap
     assert serving.stream_interval(0.05, 8, 0) == 0.05  # no cap
 
     async def run():
-        feed, gen, first, replica = await started(interval=0, messages_per_s=1 / 3600)
+        replica, gen, first = await started(interval=0, messages_per_s=1 / 3600)
+        feed = replica.engine
         assert replica.sending == 0  # nothing sent yet
         feed.put(Text("a"))
         assert await asyncio.wait_for(first, 30) == [Text("a")]  # the first text at once
@@ -450,7 +452,8 @@ def test_a_streams_interval_grows_with_the_streams_sending_under_the_message_cap
 
 def test_the_replica_sends_every_round_with_no_interval_and_cancels_a_stream_left_early():
     async def run():
-        feed, gen, first, _ = await started(interval=0)
+        replica, gen, first = await started(interval=0)
+        feed = replica.engine
         feed.put(Text("a"))
         assert await asyncio.wait_for(first, 30) == [Text("a")]
         nxt = asyncio.ensure_future(anext(gen))

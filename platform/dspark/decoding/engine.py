@@ -123,7 +123,6 @@ class Engine:
         self.sps = sps or SPSTable.synthetic("smooth")
         self.policy_name = policy
         self.max_batch = max_batch
-
         decoder = functools.partial(  # built on the engine thread (see _loop)
             SpeculativeDecoder,
             target_model,
