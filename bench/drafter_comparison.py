@@ -48,7 +48,15 @@ from dspark.config import add_config_args, config_from_args, run_main
 from dspark.corpus.sources import Corpus
 from dspark.decoding.sampling import SamplingParams
 from dspark.errors import UserError
-from dspark.models import DrafterConfig, build_drafter, count_params, load_drafter, save_drafter, warm_start
+from dspark.models import (
+    DrafterConfig,
+    build_drafter,
+    count_params,
+    init_from_target,
+    load_drafter,
+    save_drafter,
+    warm_start,
+)
 from dspark.storage import Storage
 from dspark.train.loop import draft_vocabulary, fit
 from dspark.train.loss import LossWeights, drafter_loss, summarize
@@ -109,6 +117,7 @@ def make_drafter(name, tgt, cache, cfg):
     drafter = build_drafter(dc, tgt.model).float()  # trained in float32 (as the distributed trainer), any target dtype
     if tc.draft_vocab:
         drafter.set_draft_vocab(draft_vocabulary(cache, cache.manifest.shards, tc.draft_vocab)[0])
+    init_from_target(cfg, drafter)
     warm_start(cfg, drafter)
     return drafter, tc
 

@@ -195,6 +195,9 @@ class TrainConfig(Section):
     max_failures: int = Field(2, ge=-1)
     seed: int = 42
     run_name: str = ""  # "" = drafter kind + time; rerunning with the same name resumes it
+    # how a parallel drafter's layers start: "random", or "target_top" = the target's top num_layers layers,
+    # its final norm, and a fusion that passes the deepest tap through (ParallelBackbone.copy_target_top)
+    init_layers: Literal["random", "target_top"] = "random"
     warm_start: str = ""  # a drafter folder/URI whose weights initialise training (not its optimizer)
     out_uri: str = ""  # "" = <storage.root>/drafters/<run name>
     evaluate: bool = True  # offline evaluation of the final drafter, logged to the same MLflow run

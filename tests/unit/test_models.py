@@ -319,3 +319,29 @@ def test_a_drafter_loaded_beside_a_packed_target_is_packed_and_drafts_the_same(t
     inside = torch.isfinite(want)
     assert torch.equal(inside, torch.isfinite(got))
     torch.testing.assert_close(got[inside], want[inside], atol=0.05, rtol=0.02)  # a different summation order
+
+
+def test_a_drafter_started_from_the_targets_top_layers_reads_the_context_as_those_layers_do(tgt):
+    """train.init_layers=target_top: draft layer i is target layer n - 2 + i, and the fusion passes the
+    deepest tap (here layer 3's output, the input of layer 4) through layer 4's input norm, so the first
+    draft layer's context keys and values are exactly the target's own at layer 4."""
+    from dspark.models import init_from_target
+
+    drafter = untrained_drafter(tgt, "dspark", GAMMA, num_layers=2)  # taps [1, 2, 3] of 6 layers
+    ids = torch.randint(10, tgt.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = tgt.model(ids, output_hidden_states=True, use_cache=True)
+        feats = torch.stack([out.hidden_states[i + 1] for i in drafter.c.tap_layers], 2)  # (1, T, 3, d)
+        pos = torch.arange(T)[None]
+        before = drafter.backbone.context_kv(feats, pos)[0]
+        init_from_target(load_config(overrides=["train.init_layers=target_top"]), drafter)
+        k, v = drafter.backbone.context_kv(feats, pos)[0]  # (1, KVH, T, hd)
+    cache = out.past_key_values.layers[4]
+    assert not torch.allclose(before[0], cache.keys, atol=1e-3)
+    torch.testing.assert_close(k, cache.keys, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(v, cache.values, atol=1e-4, rtol=1e-4)
+    final = targets.read_weights("builtin", ["model.norm.weight"])["model.norm.weight"]
+    assert torch.equal(drafter.backbone.norm.weight, final)
+    eagle = untrained_drafter(tgt, "eagle3", GAMMA)
+    with pytest.raises(UserError, match="init_layers"):
+        init_from_target(load_config(overrides=["train.init_layers=target_top"]), eagle)

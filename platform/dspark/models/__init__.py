@@ -12,12 +12,13 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from dspark import target as targets
 from dspark.errors import UserError
 from dspark.models.config import DrafterConfig
 from dspark.models.drafter import Drafter, DraftState, Proposal
 from dspark.models.dspark import DSpark
 from dspark.models.eagle3 import Eagle3
-from dspark.models.layers import FrozenTargetHead
+from dspark.models.layers import DraftLayer, FrozenTargetHead
 
 __all__ = ["DrafterConfig", "Drafter", "DraftState", "Proposal", "build_drafter", "save_drafter", "load_drafter"]
 
@@ -90,6 +91,29 @@ def warm_start(cfg, drafter: Drafter) -> None:
     with tempfile.TemporaryDirectory(prefix="drafter-") as d:
         local = download_drafter(cfg, cfg.train.warm_start, d, only=(WEIGHTS_FILE,))
         drafter.load_state_dict(load_file(str(local / WEIGHTS_FILE)))
+
+
+def init_from_target(cfg, drafter: Drafter) -> None:
+    """train.init_layers=target_top: a parallel drafter's layers start as the target's top layers
+    (ParallelBackbone.copy_target_top), read from the target's safetensors files; "random" leaves them."""
+    if cfg.train.init_layers == "random":
+        return
+    if not isinstance(drafter, DSpark):
+        raise UserError(f"train.init_layers={cfg.train.init_layers}: only a parallel (dspark/dflash) drafter")
+    t = cfg.target
+    n = targets.hf_config(t.name_or_path, t.revision, t.cache_dir).num_hidden_layers
+    first = n - drafter.c.num_layers
+    if first < 0:
+        raise UserError(f"train.num_layers={drafter.c.num_layers}: the target has only {n} layers to copy")
+    keys = [f"model.layers.{i}.{k}" for i in range(first, n) for k in DraftLayer.TARGET_KEYS] + ["model.norm.weight"]
+    w = targets.read_weights(t.name_or_path, keys, "float32", t.revision, t.cache_dir)
+    if "model.norm.weight" not in w or f"model.layers.{first}.input_layernorm.weight" not in w:
+        raise UserError(f"train.init_layers: target {t.name_or_path} has no Llama/Qwen layer names to copy")
+    per_layer = [
+        {k: w[f"model.layers.{i}.{k}"] for k in DraftLayer.TARGET_KEYS if f"model.layers.{i}.{k}" in w}
+        for i in range(first, n)
+    ]
+    drafter.backbone.copy_target_top(per_layer, w["model.norm.weight"])
 
 
 def count_params(drafter: Drafter) -> int:

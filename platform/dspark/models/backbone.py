@@ -29,6 +29,21 @@ class ParallelBackbone(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
         self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
+    @torch.no_grad()
+    def copy_target_top(self, layers: list[dict[str, torch.Tensor]], final_norm: torch.Tensor) -> None:
+        """Start from the target's top: draft layer i = target layer n - num_layers + i (`layers`, in order,
+        each its HF keys without the "model.layers.N." prefix), the final norm the target's. The fusion
+        passes the deepest tap through unchanged (the input of those layers when it is layer n - num_layers
+        - 1's output) and normalises it with the first copied layer's input norm, so the context keys and
+        values start as that layer's own."""
+        for layer, w in zip(self.layers, layers, strict=True):
+            layer.copy_target_layer(w)
+        d = self.c.hidden_size
+        self.fusion.proj.weight.zero_()
+        self.fusion.proj.weight[:, (self.c.m - 1) * d :].copy_(torch.eye(d))  # (d, m*d): the last tap
+        self.fusion.norm.weight.copy_(layers[0]["input_layernorm.weight"])
+        self.norm.weight.copy_(final_norm)
+
     def context_kv(self, feats: torch.Tensor, pos: torch.Tensor) -> list[KV]:
         """feats: (B, C, m, d) tapped target layers at positions pos (B, C) -> per layer k/v (B, KVH, C, hd)."""
         ctx = self.fusion(feats)  # (B, C, d)

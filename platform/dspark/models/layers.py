@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.errors import UserError
 from dspark.models.config import DrafterConfig
 
 
@@ -87,6 +88,34 @@ class DraftLayer(nn.Module):
         self.gate = nn.Linear(d, c.intermediate_size, bias=False)
         self.up = nn.Linear(d, c.intermediate_size, bias=False)
         self.down = nn.Linear(c.intermediate_size, d, bias=False)
+
+    # HF Llama/Qwen decoder-layer keys -> this layer's (q_norm / k_norm: Qwen3's only; Llama's leave them at 1)
+    TARGET_KEYS = {
+        "input_layernorm.weight": "input_norm.weight",
+        "self_attn.q_proj.weight": "q_proj.weight",
+        "self_attn.k_proj.weight": "k_proj.weight",
+        "self_attn.v_proj.weight": "v_proj.weight",
+        "self_attn.o_proj.weight": "o_proj.weight",
+        "self_attn.q_norm.weight": "q_norm.weight",
+        "self_attn.k_norm.weight": "k_norm.weight",
+        "post_attention_layernorm.weight": "post_norm.weight",
+        "mlp.gate_proj.weight": "gate.weight",
+        "mlp.up_proj.weight": "up.weight",
+        "mlp.down_proj.weight": "down.weight",
+    }
+
+    @torch.no_grad()
+    def copy_target_layer(self, weights: dict[str, torch.Tensor]) -> None:
+        """Initialise from one target decoder layer: weights maps TARGET_KEYS' keys (those it has) to tensors."""
+        own = dict(self.named_parameters())
+        for key, name in self.TARGET_KEYS.items():
+            if key in weights:
+                if weights[key].shape != own[name].shape:
+                    raise UserError(
+                        f"target layer {key}: shape {tuple(weights[key].shape)}, the drafter's "
+                        f"{name} is {tuple(own[name].shape)}"
+                    )
+                own[name].copy_(weights[key])
 
     def project_kv(
         self, h: torch.Tensor, pos: torch.Tensor, rot: Rotation | None = None

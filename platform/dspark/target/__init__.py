@@ -345,30 +345,41 @@ def eos_ids(generation_config, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+def read_weights(
+    name_or_path: str,
+    names: list[str],
+    dtype: str = "float32",
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+) -> dict[str, torch.Tensor]:
+    """The target's tensors `names` (HF state-dict keys) that its safetensors files hold, without loading
+    the whole model: files are read selectively (sharded or not); a name no file holds is left out."""
+    from safetensors import safe_open
+
+    folder = Path(resolve(name_or_path, revision, cache_dir))
+    index = folder / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    out = {}
+    for name in names:
+        file = folder / (weight_map.get(name, "") if weight_map else "model.safetensors")
+        if not file.is_file():
+            continue
+        with safe_open(str(file), framework="pt") as f:
+            if name in f.keys():
+                out[name] = f.get_tensor(name).to(DTYPES[dtype])
+    return out
+
+
 def head_weights(
     name_or_path: str, dtype: str = "float32", revision: str | None = None, cache_dir: str | Path | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's input embedding and lm_head matrices (V, d) without loading the whole model:
-    what a drafter shares. Safetensors files are read selectively (sharded or not)."""
-    from safetensors import safe_open
-
+    """The target's input embedding and lm_head matrices (V, d): what a drafter shares."""
     path = resolve(name_or_path, revision, cache_dir)
-    cfg = hf_config(path)
-    folder = Path(path)
-    index = folder / "model.safetensors.index.json"
-    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
-
-    def read(name: str) -> torch.Tensor | None:
-        file = folder / (weight_map.get(name, "") if weight_map else "model.safetensors")
-        if not file.is_file():
-            return None
-        with safe_open(str(file), framework="pt") as f:
-            return f.get_tensor(name).to(DTYPES[dtype]) if name in f.keys() else None
-
-    embed = read("model.embed_tokens.weight")
-    if embed is None:
+    w = read_weights(path, ["model.embed_tokens.weight", "lm_head.weight"], dtype)
+    if "model.embed_tokens.weight" not in w:
         raise UserError(f"target {path}: no model.embed_tokens.weight in its safetensors files")
-    head = None if getattr(cfg, "tie_word_embeddings", False) else read("lm_head.weight")
+    embed = w["model.embed_tokens.weight"]
+    head = None if getattr(hf_config(path), "tie_word_embeddings", False) else w.get("lm_head.weight")
     return embed, embed if head is None else head
 
 

@@ -32,7 +32,7 @@ from dspark.cache.format import Manifest
 from dspark.cache.read import decode_batch
 from dspark.config import Config
 from dspark.errors import UserError
-from dspark.models import DrafterConfig, build_drafter, save_drafter, warm_start
+from dspark.models import DrafterConfig, build_drafter, init_from_target, save_drafter, warm_start
 from dspark.models.layers import FrozenTargetHead
 from dspark.train.loop import autocast, lr_factor, make_optimizer
 from dspark.train.loss import LossWeights, drafter_loss, summarize
@@ -278,6 +278,7 @@ def train_loop_per_worker(config: dict) -> None:
     _no_cpu_shm_build()
 
     drafter = drafter_for(cfg, manifest.layers, manifest.target, device, config.get("draft_ids"))
+    init_from_target(cfg, drafter)
     warm_start(cfg, drafter)  # weights only: a fresh optimizer, scheduler and step count
     engine, scheduler = _engine(cfg, drafter, world, total)
     pos = _resume(engine)
