@@ -107,10 +107,10 @@ def init_from_target(cfg, drafter: Drafter) -> None:
         raise UserError(f"train.num_layers={drafter.c.num_layers}: the target has only {n} layers to copy")
     keys = [f"model.layers.{i}.{k}" for i in range(first, n) for k in DraftLayer.TARGET_KEYS] + ["model.norm.weight"]
     w = targets.read_weights(t.name_or_path, keys, "float32", t.revision, t.cache_dir)
-    if "model.norm.weight" not in w or f"model.layers.{first}.input_layernorm.weight" not in w:
-        raise UserError(f"train.init_layers: target {t.name_or_path} has no Llama/Qwen layer names to copy")
+    if "model.norm.weight" not in w:
+        raise UserError(f"train.init_layers: target {t.name_or_path} has no model.norm.weight to copy")
     per_layer = [
-        {k: w[f"model.layers.{i}.{k}"] for k in DraftLayer.TARGET_KEYS if f"model.layers.{i}.{k}" in w}
+        {k.removeprefix(f"model.layers.{i}."): v for k, v in w.items() if k.startswith(f"model.layers.{i}.")}
         for i in range(first, n)
     ]
     drafter.backbone.copy_target_top(per_layer, w["model.norm.weight"])

@@ -89,7 +89,7 @@ class DraftLayer(nn.Module):
         self.up = nn.Linear(d, c.intermediate_size, bias=False)
         self.down = nn.Linear(c.intermediate_size, d, bias=False)
 
-    # HF Llama/Qwen decoder-layer keys -> this layer's (q_norm / k_norm: Qwen3's only; Llama's leave them at 1)
+    # HF Llama/Qwen decoder-layer keys -> this layer's; OPTIONAL_KEYS are Qwen3's only (a Llama's stay at 1)
     TARGET_KEYS = {
         "input_layernorm.weight": "input_norm.weight",
         "self_attn.q_proj.weight": "q_proj.weight",
@@ -103,19 +103,23 @@ class DraftLayer(nn.Module):
         "mlp.up_proj.weight": "up.weight",
         "mlp.down_proj.weight": "down.weight",
     }
+    OPTIONAL_KEYS = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
 
     @torch.no_grad()
     def copy_target_layer(self, weights: dict[str, torch.Tensor]) -> None:
-        """Initialise from one target decoder layer: weights maps TARGET_KEYS' keys (those it has) to tensors."""
+        """Initialise from one target decoder layer: weights maps TARGET_KEYS' keys (all but OPTIONAL_KEYS
+        required) to tensors."""
+        if missing := sorted(set(self.TARGET_KEYS) - self.OPTIONAL_KEYS - set(weights)):
+            raise UserError(f"the target layer has no {', '.join(missing)}: not a Llama/Qwen layer to copy")
         own = dict(self.named_parameters())
-        for key, name in self.TARGET_KEYS.items():
-            if key in weights:
-                if weights[key].shape != own[name].shape:
-                    raise UserError(
-                        f"target layer {key}: shape {tuple(weights[key].shape)}, the drafter's "
-                        f"{name} is {tuple(own[name].shape)}"
-                    )
-                own[name].copy_(weights[key])
+        for key in self.TARGET_KEYS.keys() & weights.keys():
+            name = self.TARGET_KEYS[key]
+            if weights[key].shape != own[name].shape:
+                raise UserError(
+                    f"target layer {key}: shape {tuple(weights[key].shape)}, the drafter's {name} is "
+                    f"{tuple(own[name].shape)}"
+                )
+            own[name].copy_(weights[key])
 
     def project_kv(
         self, h: torch.Tensor, pos: torch.Tensor, rot: Rotation | None = None

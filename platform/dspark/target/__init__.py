@@ -359,14 +359,16 @@ def read_weights(
     folder = Path(resolve(name_or_path, revision, cache_dir))
     index = folder / "model.safetensors.index.json"
     weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
-    out = {}
+    by_file: dict[Path, list[str]] = {}  # each file opened once
     for name in names:
-        file = folder / (weight_map.get(name, "") if weight_map else "model.safetensors")
+        by_file.setdefault(folder / (weight_map.get(name, "") if weight_map else "model.safetensors"), []).append(name)
+    out = {}
+    for file, wanted in by_file.items():
         if not file.is_file():
             continue
         with safe_open(str(file), framework="pt") as f:
-            if name in f.keys():
-                out[name] = f.get_tensor(name).to(DTYPES[dtype])
+            held = set(f.keys())
+            out.update({n: f.get_tensor(n).to(DTYPES[dtype]) for n in wanted if n in held})
     return out
 
 
