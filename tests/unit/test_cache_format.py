@@ -2,6 +2,7 @@
 the size estimator, read-back against a fresh target forward, checksums verified on read, and
 transcodes that must not overwrite their source or reuse shards built with other settings."""
 
+import json
 import logging
 import shutil
 
@@ -272,6 +273,34 @@ def test_caches_built_alike_join_into_one_whose_shards_are_theirs(built, tmp_pat
 
     small = transcode(srcs, str(tmp_path / "small"), "fp8", [1, 3], log_fn=logged.append)
     assert small.rows == 12 and open_cache(str(tmp_path / "small"), Storage()).manifest.layers == [1, 3]
+
+
+def _resampled(root: str, dst, **generation) -> str:
+    """A copy of the cache at root whose manifest states other generation settings (as if built with them)."""
+    out = shutil.copytree(root, dst)
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest["generation"].update(generation)
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    return str(out)
+
+
+def test_answers_sampled_with_another_seed_join_and_the_joined_cache_names_both_seeds(built, tmp_path):
+    _, _, _, roots = built
+    law = {"temperature": 0.8, "top_p": 0.95}
+    first, second, third = (
+        open_cache(_resampled(roots["bf16"], tmp_path / f"seed{i}", seed=i, **law), Storage()) for i in range(3)
+    )
+    m = transcode([first, second], str(tmp_path / "both"), "bf16", log_fn=lambda _: None)
+    assert m.rows == 2 * first.manifest.rows
+    both = open_cache(str(tmp_path / "both"), Storage())
+    assert both.manifest.generation == {**law, "seed": [0, 1], "transcoded_from": [first.uri, second.uri]}
+    # a joined cache joins again (its own sources named, every seed listed in order)
+    m = transcode([both, third], str(tmp_path / "all"), "bf16", log_fn=lambda _: None)
+    assert m.rows == 3 * first.manifest.rows
+    assert open_cache(str(tmp_path / "all"), Storage()).manifest.generation["seed"] == [0, 1, 2]
+    hotter = open_cache(_resampled(roots["bf16"], tmp_path / "hot", seed=3, temperature=1.5), Storage())
+    with pytest.raises(UserError, match=r"differ in generation"):  # another law of answers does not join
+        transcode([first, hotter], str(tmp_path / "mixed"), "bf16")
 
 
 def test_joining_caches_built_otherwise_or_one_cache_twice_is_refused(built, tmp_path):

@@ -492,10 +492,24 @@ def _build_shards(
             )
 
 
+def _law(generation: dict) -> dict:
+    """The generation settings that fix the law of a cache's answers: all but the seed (and where a joined
+    cache's rows came from), so caches sampled alike with other seeds join."""
+    return {k: v for k, v in generation.items() if k not in ("seed", "transcoded_from")}
+
+
+def _seeds(generations: list[dict]) -> dict:
+    """A joined cache's seed: the sources' one, or each source's in order when they differ (a joined source
+    contributes its list)."""
+    seeds = [x for g in generations for x in (g["seed"] if isinstance(g.get("seed"), list) else [g.get("seed")])]
+    return {} if len(set(seeds)) == 1 else {"seed": seeds}
+
+
 def transcode(srcs: list[Cache], dst_uri: str, codec: str, layers: list[int] | None = None, log_fn=print) -> Manifest:
     """A cache derived from existing ones without re-running the target: the shards of `srcs` one after
-    another (caches of one target, tap set and generation settings: more data without regenerating what
-    is there), in another codec (e.g. fp8) and/or with a subset of the tapped layers. Shard by shard, each
+    another (caches of one target, tap set and generation settings but the seed: more data without
+    regenerating what is there, or more answers to the same prompts), in another codec (e.g. fp8) and/or
+    with a subset of the tapped layers. Shard by shard, each
     published atomically, manifest last; shards already derived (with these settings, from these source
     shards) are skipped. A shard whose codec and layers stay is copied as it is; every source shard is
     verified as it is read."""
@@ -512,6 +526,7 @@ def transcode(srcs: list[Cache], dst_uri: str, codec: str, layers: list[int] | N
     m = srcs[0].manifest
     for src in srcs[1:]:  # rows of other targets, taps or sampling do not belong in one cache
         a, b = settings_of(src.manifest), settings_of(m)
+        a["generation"], b["generation"] = _law(a["generation"]), _law(b["generation"])
         for key in ("target", "tokenizer_sha256", "layers", "hidden_size", "codec", "generation"):
             if a[key] != b[key]:
                 raise UserError(
@@ -531,7 +546,11 @@ def transcode(srcs: list[Cache], dst_uri: str, codec: str, layers: list[int] | N
         layers=layers,
         hidden_size=m.hidden_size,
         codec=codec,
-        generation={**m.generation, "transcoded_from": uris[0] if len(uris) == 1 else uris},
+        generation={
+            **m.generation,
+            **_seeds([src.manifest.generation for src in srcs]),
+            "transcoded_from": uris[0] if len(uris) == 1 else uris,
+        },
         corpus_sha256=(
             m.corpus_sha256 if len(srcs) == 1 else sha256_of(" ".join(s.manifest.corpus_sha256 for s in srcs).encode())
         ),
