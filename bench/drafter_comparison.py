@@ -13,7 +13,8 @@ with the eval.* settings).
 
 Learning curves (`--curve-every N`): a fraction of the cache's rows (`--heldout`, chosen by a hash of
 seq_id) is never trained on; every N steps each variant's held-out expected tau (teacher-forced,
-T=1: 1 + Σ_k Π_{i<=k} (1 - TV_i), the training loss's own acceptance estimate) is recorded against
+T=1: 1 + Σ_k Π_{i<=k} (1 - TV_i), the training loss's own acceptance estimate; beside it the log
+prints its T=0 counterpart, greedy tau, from argmax agreement) is recorded against
 the response tokens trained on and the training seconds (held-out passes excluded), and
 learning_curves.png plots both. `--budget-s S` gives every variant the same wall-clock: its step
 count is S over its own step time, probed on a throwaway copy (the cosine schedule then ends at S):
@@ -179,7 +180,7 @@ def train_variant(name, tgt, cache, cfg, steps, out_dir, log, curve_every=0, hel
         curve.append({"step": step, "tokens": seen[0], "train_s": clock["train_s"], **m})
         log(
             f"[{name}] step {step:4d} held-out expected tau {m['expected_tau']:.3f} "
-            f"accept_1 {m['accept_1']:.3f} ({seen[0]} tokens, {clock['train_s']:.0f}s)"
+            f"accept_1 {m['accept_1']:.3f} greedy tau {m['greedy_tau']:.3f} ({seen[0]} tokens, {clock['train_s']:.0f}s)"
         )
 
     if curve_every:

@@ -167,6 +167,10 @@ class TrainConfig(Section):
     draft_vocab: int = Field(0, ge=0)
     anchors_per_seq: int = Field(32, ge=1)
     dist_loss: Literal["l1", "kl"] = "l1"  # DSpark's distribution-matching term (paper: l1 = 2 TV)
+    # the CE term's label for the token at p+k+1: "sampled" = the cached response's own token (the paper's);
+    # "argmax" = the target's most likely token there (what greedy decoding emits; for serving at T=0)
+    ce_label: Literal["sampled", "argmax"] = "sampled"
+    ce_weight: float = Field(0.1, ge=0)  # DSpark's CE weight (the paper: 0.1; L1 0.9, BCE 1.0)
     lr: float = Field(6e-4, gt=0)
     adam_betas: tuple[float, float] = (0.9, 0.95)  # DeepSpec: torch's default (0.9, 0.999); bench/recipe_ablation.py
     # slot weight w_k = exp(-(k-1)/slot_decay) of every DSpark/DFlash loss term; None = gamma (the paper's

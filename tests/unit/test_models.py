@@ -217,6 +217,25 @@ def test_the_draft_vocabulary_loss_is_the_exact_total_variation(tgt):
     lw = LossWeights(slot_decay=2.0)
     _, _, stats = drafter_loss(drafter, batch, GAMMA, 8, lw, torch.Generator().manual_seed(0))
     assert torch.allclose(stats["ce_sum"], (torch.exp(-slot / 2.0)[inside] * ce).sum(), rtol=1e-5)
+    # train.ce_label=argmax: CE's label is the target's most likely token, not the response's
+    y_max = p_t.argmax(-1)
+    assert not torch.equal(y_max, y)  # the sampled responses leave the argmax somewhere
+    inside = torch.isin(y_max, torch.tensor(DRAFT_IDS))
+    lw = LossWeights(ce_label="argmax")
+    _, _, stats = drafter_loss(drafter, batch, GAMMA, 8, lw, torch.Generator().manual_seed(0))
+    ce = -torch.log(q[torch.arange(len(y_max)), y_max][inside])
+    assert torch.allclose(stats["ce_sum"], (w[inside] * ce).sum(), rtol=1e-5)
+    # T=0 acceptance per slot: the draft's argmax (over V_d, q = 0 elsewhere) is the target's. Drafts forced to
+    # the target's most frequent argmax (an untrained drafter's rarely agree) agree exactly where it is the target's
+    top = y_max[inside].mode().values
+    own_logits = drafter.logits
+    drafter.logits = lambda h: own_logits(h).index_add(
+        -1, drafter.t2d[top].view(1), torch.full((*h.shape[:-1], 1), 1e4)
+    )
+    _, _, stats = drafter_loss(drafter, batch, GAMMA, 8, lw, torch.Generator().manual_seed(0))
+    agree = (y_max == top).float()
+    assert 0 < agree.sum() < len(agree)
+    assert torch.equal(stats["greedy_sum_k"], torch.zeros(GAMMA).index_add_(0, slot, agree))
 
 
 def test_a_draft_vocabulary_is_saved_with_the_weights(tgt, tmp_path):

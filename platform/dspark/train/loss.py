@@ -2,7 +2,8 @@
 
     DSpark:  L = 0.1·CE + 0.9·L1 + 1.0·BCE,  slot weight w_k = exp(-k/d), d = gamma (the paper's eq. 9-11;
              train.slot_decay sets d, DeepSpec's configs use 4)
-             CE  = -log p_d(x*)                     x* = the target's own next token
+             CE  = -log p_d(x*)                     x* = the response's own next token (train.ce_label=sampled),
+                                                    or the target's argmax there (argmax: greedy decoding's)
              L1  = ||p_d - p_t||_1  (= 2·TV; 1 - TV is exactly the acceptance probability)
              BCE = BCE(c_k, c*_k),  c*_k = 1 - ½||p_d - p_t||_1  (detached, fp32, T=1)
     DFlash:  CE only (same slot weights)
@@ -34,10 +35,11 @@ class LossWeights:
     eagle_step: float = 0.8  # EAGLE-3: w_k = 0.8^k
     dist: str = "l1"  # DSpark's distribution term: "l1" (the paper) or "kl" (KL(p_t || p_d), for ablations)
     slot_decay: float | None = None  # d in w_k = exp(-k/d); None = gamma
+    ce_label: str = "sampled"  # CE's x*: the response's token ("sampled") or the target's argmax ("argmax")
 
     @classmethod
     def from_config(cls, tc) -> "LossWeights":
-        return cls(dist=tc.dist_loss, slot_decay=tc.slot_decay)
+        return cls(ce=tc.ce_weight, dist=tc.dist_loss, slot_decay=tc.slot_decay, ce_label=tc.ce_label)
 
 
 def slot_weights(kind: str, gamma: int, lw: LossWeights, device) -> torch.Tensor:
@@ -74,12 +76,13 @@ def drafter_loss(
         uniq, inverse = torch.unique(flat, return_inverse=True)  # (U,), (S,)
         h_u = last.reshape(B * T, -1)[uniq].to(drafter.head.lm_head_weight.dtype)  # (U, d)
         p_u = torch.softmax(drafter.head.logits(h_u).float(), -1)  # (U, V)
-        y = labels[sel]
+        y_max = p_u.argmax(-1)[inverse]  # (S,) the target's greedy token
+        y = labels[sel] if lw.ce_label == "sampled" else y_max  # (S,) target ids
         outside = torch.zeros_like(p_u[:, 0])  # p_t's mass the drafter cannot propose
         if drafter.draft_ids is not None:
             p_u = p_u[:, drafter.draft_ids]  # (U, V_d)
             outside = (1 - p_u.sum(-1)).clamp(min=0)
-            y = drafter.t2d[y]  # draft index, -1 outside V_d
+            y, y_max = drafter.t2d[y], drafter.t2d[y_max]  # draft index, -1 outside V_d
         p_t, outside = p_u[inverse], outside[inverse]  # (S, V_d), (S,)
     logp_d = torch.log_softmax(logits, -1)
     p_d = logp_d.exp()
@@ -98,11 +101,13 @@ def drafter_loss(
     loss_sum = (w * per).sum()
     weight_sum = w.sum().detach()
     slot = torch.arange(gamma, device=ids.device).expand_as(label_pos)[sel]
+    greedy = (logits.argmax(-1) == y_max).float()  # x_k accepted at T=0 (teacher-forced context)
     stats = {
         "ce_sum": (w * ce).sum().detach(),
         "l1_sum": (w * l1).sum().detach(),
         "accept_sum_k": torch.zeros(gamma, device=ids.device).index_add_(0, slot, accept),
         "top1_sum_k": torch.zeros(gamma, device=ids.device).index_add_(0, slot, (logits.argmax(-1) == y).float()),
+        "greedy_sum_k": torch.zeros(gamma, device=ids.device).index_add_(0, slot, greedy),
         "count_k": torch.zeros(gamma, device=ids.device).index_add_(0, slot, torch.ones_like(accept)),
         "tokens": valid.sum().detach(),
         "slots": sel.sum().detach(),
@@ -113,17 +118,19 @@ def drafter_loss(
 
 
 def summarize(stats: dict, weight_sum: float) -> dict[str, float]:
-    """Per-slot acceptance estimate (1 - TV), expected accepted length tau = 1 + Σ_k Π_{i<=k} acc_i."""
+    """Per-slot acceptance estimate (1 - TV), expected accepted length tau = 1 + Σ_k Π_{i<=k} acc_i; the same
+    at T=0 (greedy_tau, from argmax agreement: draft k accepted iff it is the target's argmax)."""
     count = stats["count_k"].clamp(min=1)
     acc = (stats["accept_sum_k"] / count).tolist()
+    greedy = (stats["greedy_sum_k"] / count).tolist()
     out = {"ce": float(stats["ce_sum"]) / weight_sum, "l1": float(stats["l1_sum"]) / weight_sum}
     if "bce_sum" in stats:
         out["bce"] = float(stats["bce_sum"]) / weight_sum
-    surv, tau = 1.0, 1.0
-    for k, a in enumerate(acc):
+    surv, tau, surv0, tau0 = 1.0, 1.0, 1.0, 1.0
+    for k, (a, g) in enumerate(zip(acc, greedy)):
         out[f"accept_{k + 1}"] = a
         out[f"top1_{k + 1}"] = float(stats["top1_sum_k"][k] / count[k])
-        surv *= a
-        tau += surv
-    out["expected_tau"] = tau
+        surv, surv0 = surv * a, surv0 * g
+        tau, tau0 = tau + surv, tau0 + surv0
+    out["expected_tau"], out["greedy_tau"] = tau, tau0
     return {k: (v if math.isfinite(v) else 0.0) for k, v in out.items()}
