@@ -101,13 +101,13 @@ def drafter_loss(
     loss_sum = (w * per).sum()
     weight_sum = w.sum().detach()
     slot = torch.arange(gamma, device=ids.device).expand_as(label_pos)[sel]
-    greedy = (logits.argmax(-1) == y_max).float()  # x_k accepted at T=0 (teacher-forced context)
+    x_d = logits.argmax(-1)  # (S,) the draft at T=0: accepted iff it is the target's argmax (teacher-forced context)
     stats = {
         "ce_sum": (w * ce).sum().detach(),
         "l1_sum": (w * l1).sum().detach(),
         "accept_sum_k": torch.zeros(gamma, device=ids.device).index_add_(0, slot, accept),
-        "top1_sum_k": torch.zeros(gamma, device=ids.device).index_add_(0, slot, (logits.argmax(-1) == y).float()),
-        "greedy_sum_k": torch.zeros(gamma, device=ids.device).index_add_(0, slot, greedy),
+        "top1_sum_k": torch.zeros(gamma, device=ids.device).index_add_(0, slot, (x_d == y).float()),
+        "greedy_sum_k": torch.zeros(gamma, device=ids.device).index_add_(0, slot, (x_d == y_max).float()),
         "count_k": torch.zeros(gamma, device=ids.device).index_add_(0, slot, torch.ones_like(accept)),
         "tokens": valid.sum().detach(),
         "slots": sel.sum().detach(),
@@ -120,17 +120,13 @@ def drafter_loss(
 def summarize(stats: dict, weight_sum: float) -> dict[str, float]:
     """Per-slot acceptance estimate (1 - TV), expected accepted length tau = 1 + Σ_k Π_{i<=k} acc_i; the same
     at T=0 (greedy_tau, from argmax agreement: draft k accepted iff it is the target's argmax)."""
-    count = stats["count_k"].clamp(min=1)
-    acc = (stats["accept_sum_k"] / count).tolist()
-    greedy = (stats["greedy_sum_k"] / count).tolist()
+    count = stats["count_k"].double().clamp(min=1)
+    acc, greedy, top1 = (stats[f"{key}_sum_k"].double() / count for key in ("accept", "greedy", "top1"))
     out = {"ce": float(stats["ce_sum"]) / weight_sum, "l1": float(stats["l1_sum"]) / weight_sum}
     if "bce_sum" in stats:
         out["bce"] = float(stats["bce_sum"]) / weight_sum
-    surv, tau, surv0, tau0 = 1.0, 1.0, 1.0, 1.0
-    for k, (a, g) in enumerate(zip(acc, greedy)):
-        out[f"accept_{k + 1}"] = a
-        out[f"top1_{k + 1}"] = float(stats["top1_sum_k"][k] / count[k])
-        surv, surv0 = surv * a, surv0 * g
-        tau, tau0 = tau + surv, tau0 + surv0
-    out["expected_tau"], out["greedy_tau"] = tau, tau0
+    for k in range(len(acc)):
+        out[f"accept_{k + 1}"], out[f"top1_{k + 1}"] = float(acc[k]), float(top1[k])
+    out["expected_tau"] = 1 + float(acc.cumprod(0).sum())
+    out["greedy_tau"] = 1 + float(greedy.cumprod(0).sum())
     return {k: (v if math.isfinite(v) else 0.0) for k, v in out.items()}
