@@ -11,6 +11,7 @@ from dspark import evaluation
 from dspark import target as targets
 from dspark.config import load_config
 from dspark.corpus.sources import Corpus
+from dspark.decoding.sampling import SamplingParams
 from dspark.errors import UserError
 from dspark.models import DrafterConfig, build_drafter
 
@@ -99,3 +100,36 @@ def test_evaluate_with_a_prefix_policy_adds_its_rows_priced_by_the_table(tmp_pat
         assert greedy.tau == 1.0 and all(s != s for s in greedy.survival)  # greedy verified none: NaN
         assert greedy.tokens == static.tokens and greedy.speedup > 0
     assert "| d-greedy | prose | " in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_interleaved_runs_answer_each_prompt_in_turn_and_as_each_would_alone():
+    """Every decoder answers prompt i before any answers prompt i+1 (so the host's drift falls on all runs
+    alike), and each run's outputs are those of decoding its prompts alone: request i is seeded seed + i."""
+    tgt = targets.load("builtin")
+    torch.manual_seed(0)
+    dc = DrafterConfig.from_target(
+        tgt.config, "dspark", [1, 2, 3], tgt.tokenizer.mask_token_id, num_layers=1, gamma=3, markov_rank=32
+    )
+    drafter = build_drafter(dc, tgt.model).eval()
+    prompts = [tgt.tokenizer.encode(s) for s in ("def add(a, b):", "The river", "import os\n")]
+    sp, eos = SamplingParams(1.0), tgt.eos_token_ids
+    order = []
+
+    class Logged:
+        def __init__(self, name, dec):
+            self.name, self.dec = name, dec
+
+        def run(self, reqs):
+            order.append((self.name, reqs[0].prompt))
+            return self.dec.run(reqs)
+
+    runs = {"plain": evaluation.decoder(tgt.model), "d": evaluation.decoder(tgt.model, drafter, 3)}
+    got = evaluation.interleaved({k: Logged(k, d) for k, d in runs.items()}, prompts, sp, 8, eos, seed=5)
+    assert order == [(k, p) for p in prompts for k in ("plain", "d")]
+    assert [q.out for q in got["plain"]] == [
+        q.out for q in evaluation.decode(tgt.model, None, prompts, sp, 0, 8, eos, 5)
+    ]
+    assert [q.out for q in got["d"]] == [
+        q.out for q in evaluation.decode(tgt.model, drafter, prompts, sp, 3, 8, eos, 5)
+    ]
+    assert all(len(q.out) > 1 for q in got["d"]) and any(r.verified for q in got["d"] for r in q.rounds)

@@ -27,7 +27,9 @@ from dspark.evaluation.measure import (
     RunResult,
     acceptance,
     decode,
+    decoder,
     eval_prompts,
+    interleaved,
     prompts_for,
     set_prompts,
     summarize,
@@ -49,8 +51,10 @@ __all__ = [
     "calibration_rounds",
     "calibration_study",
     "decode",
+    "decoder",
     "eval_prompts",
     "evaluate",
+    "interleaved",
     "log_results",
     "prompts_for",
     "save_calibrations",
@@ -99,32 +103,31 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
             bar.set_postfix_str(f"{domain} T={t:g}")
             sp = SamplingParams(t)
             t0 = time.perf_counter()
-            plain_reqs = decode(target.model, None, prompts, sp, 0, ec.max_new_tokens, eos, ec.seed)
-            plain = summarize("target", domain, sp, 0, plain_reqs)
+            # plain decoding, each drafter at its gamma and, where it has a confidence head, with the prefix
+            # policy: every run answers a prompt before any answers the next, so that all share the host's drift
+            runs, scheduled = {"target": decoder(target.model)}, set()
+            for name, drafter in drafters.items():
+                gamma = ec.gamma or drafter.c.gamma
+                runs[name] = decoder(target.model, drafter, gamma)
+                if policy is not None and drafter.has_confidence:
+                    scheduled.add(f"{name}-{ec.policy}")
+                    runs[f"{name}-{ec.policy}"] = decoder(target.model, drafter, gamma, shipped.get(name), policy)
+            reqs = interleaved(runs, prompts, sp, ec.max_new_tokens, eos, ec.seed)
+            plain = summarize("target", domain, sp, 0, reqs["target"])
             plain.speedup = 1.0
             first = len(results)
             results.append(plain)
             alpha = []
             if ec.oracle_paths and drafters:
                 gamma_max = max(ec.gamma or d.c.gamma for d in drafters.values())
-                alpha, _, _ = oracle_bound(cfg, target.model, plain_reqs, sp, gamma_max)
-            for name, drafter in drafters.items():
-                gamma = ec.gamma or drafter.c.gamma
-                reqs = decode(target.model, drafter, prompts, sp, gamma, ec.max_new_tokens, eos, ec.seed)
-                r = summarize(name, domain, sp, gamma, reqs)
+                alpha, _, _ = oracle_bound(cfg, target.model, reqs["target"], sp, gamma_max)
+            for name, dec in list(runs.items())[1:]:
+                r = summarize(name, domain, sp, dec.gamma, reqs[name])
                 r.speedup = r.tokens_per_s / plain.tokens_per_s
-                if alpha:
-                    r.bound_accept = alpha[:gamma]
+                if alpha and name not in scheduled:  # the bound is for every draft verified: none for shorter rounds
+                    r.bound_accept = alpha[: dec.gamma]
                     r.tau_bound = oracle.tau_of(r.bound_accept)
                 results.append(r)
-                if policy is not None and drafter.has_confidence:
-                    cal = shipped.get(name)
-                    reqs = decode(
-                        target.model, drafter, prompts, sp, gamma, ec.max_new_tokens, eos, ec.seed, cal, policy
-                    )
-                    scheduled = summarize(f"{name}-{ec.policy}", domain, sp, gamma, reqs)
-                    scheduled.speedup = scheduled.tokens_per_s / plain.tokens_per_s  # tau of shorter rounds: no bound
-                    results.append(scheduled)
             log(
                 f"[eval] {domain} T={t:g}: "
                 + ", ".join(

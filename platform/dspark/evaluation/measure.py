@@ -74,6 +74,11 @@ def eval_prompts(cfg, target, corpus) -> dict[str, list[list[int]]]:
     }
 
 
+def decoder(target_model, drafter=None, gamma: int = 0, calibration=None, policy=full_length) -> SpeculativeDecoder:
+    """A batch-1 decoder (the paper's offline protocol): plain target decoding when `drafter` is None."""
+    return SpeculativeDecoder(target_model, drafter, gamma=gamma, policy=policy, max_slots=1, calibration=calibration)
+
+
 def decode(
     target_model,
     drafter,
@@ -86,9 +91,27 @@ def decode(
     calibration=None,
     policy=full_length,
 ) -> list[Request]:
-    """Batch 1, one prompt after another (the paper's offline protocol); `eos`: the id(s) that end a response."""
-    dec = SpeculativeDecoder(target_model, drafter, gamma=gamma, policy=policy, max_slots=1, calibration=calibration)
-    return dec.run([Request(p, sp, max_new, seed + i, stop_ids(eos)) for i, p in enumerate(prompts)])
+    """Batch 1, one prompt after another; `eos`: the id(s) that end a response."""
+    dec = decoder(target_model, drafter, gamma, calibration, policy)
+    return interleaved({"": dec}, prompts, sp, max_new, eos, seed)[""]
+
+
+def interleaved(
+    decoders: dict[str, SpeculativeDecoder],
+    prompts: list[list[int]],
+    sp: SamplingParams,
+    max_new: int,
+    eos: int | tuple[int, ...],
+    seed: int = 0,
+) -> dict[str, list[Request]]:
+    """Each decoder's requests for the prompts, prompt i answered by every decoder in turn before prompt i+1
+    by any: a host whose speed drifts within a run (~10% over minutes on a shared CPU) then slows every
+    decoder alike, and tokens/s ratios between them hold. Prompt i's request is seeded seed + i in each."""
+    out: dict[str, list[Request]] = {k: [] for k in decoders}
+    for i, p in enumerate(prompts):
+        for k, dec in decoders.items():
+            out[k] += dec.run([Request(p, sp, max_new, seed + i, stop_ids(eos))])
+    return out
 
 
 def stop_ids(eos: int | tuple[int, ...]) -> tuple[int, ...]:
