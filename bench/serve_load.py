@@ -16,7 +16,7 @@ t_d(R)): the first application deployed profiles it in its replica (or --sps-tab
 printed: the per-round costs.
 Prompts: the first user turn of each eval.prompt_sets conversation, sent as chat (the SmolLM2 config),
 else the built-in corpus's held-out code and prose prompts as plain text; taken from the sets in turn,
-so that a load's first requests cover every set. Each user sends them one after another (streamed, T=1,
+so that a load's first requests cover every set. Each user sends them one after another (streamed, T=1 or --temperature,
 max_tokens 64) for --seconds or --requests per user, whichever ends first (--seconds 0, the default:
 exactly --requests each, and at least --min-requests per point in all: at C = 1 a few requests last a
 few seconds, shorter than the machine's slow spells); TTFT is measured by the client (the first text
@@ -234,6 +234,7 @@ def main(argv=None):
     p.add_argument("--requests", type=int, default=4, help="per user, per point")
     p.add_argument("--min-requests", type=int, default=16, help="per point: at low load each user sends more")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0, help="every request's (0: greedy)")
     p.add_argument("--static", default="1,2,4", help="static lengths to compare")
     p.add_argument("--modes", default="", help="only these modes (comma-separated names; default all)")
     p.add_argument("--repeats", type=int, default=1, help="measure every point this many times, interleaved")
@@ -282,7 +283,7 @@ def main(argv=None):
         if not args.sps_table and mode == first:
             save_costs(urls[mode], table)
     print_costs(table)
-    sampling = {"max_tokens": args.max_tokens, "temperature": 1.0}
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     vllm = VLLM_MODE if args.vllm else None
     results: dict = {m: {c: [] for c in conc} for m in [*modes, *([vllm] if vllm else [])]}
 
@@ -363,7 +364,10 @@ def main(argv=None):
         for c in conc:
             print(f"C={c}: adaptive / {vllm} = {med['adaptive'][c]['tok_s'] / med[vllm][c]['tok_s']:.3f}")
     plot(med, out / "serve_load.png")
-    print(f"\n[load] {out}/results.json, {out}/serve_load.png; loopback HTTP, T=1, max_tokens {args.max_tokens}")
+    print(
+        f"\n[load] {out}/results.json, {out}/serve_load.png; loopback HTTP, T={args.temperature:g}, "
+        f"max_tokens {args.max_tokens}"
+    )
 
 
 def plot(results, path):
