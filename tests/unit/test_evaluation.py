@@ -9,6 +9,7 @@ import torch
 
 from dspark import evaluation
 from dspark import target as targets
+from dspark.calibration import sts
 from dspark.config import load_config
 from dspark.corpus.sources import Corpus
 from dspark.decoding.sampling import SamplingParams
@@ -133,3 +134,16 @@ def test_interleaved_runs_answer_each_prompt_in_turn_and_as_each_would_alone():
         q.out for q in evaluation.decode(tgt.model, drafter, prompts, sp, 3, 8, eos, 5)
     ]
     assert all(len(q.out) > 1 for q in got["d"]) and any(r.verified for q in got["d"] for r in q.rounds)
+
+
+def test_a_calibration_fitted_at_another_gamma_than_trained_is_not_saved_with_the_drafter(tmp_path):
+    """Evaluating at eval.gamma 3 a drafter trained at 7 must not replace its calibration with a 3-position
+    one (serving at 7 would then refuse it); at the trained gamma it is saved."""
+    folders = {n: tmp_path / n for n in ("a", "b")}
+    for f in folders.values():
+        f.mkdir()
+    sts.save(folders["b"], sts.Calibration.identity(7))
+    fitted = sts.Calibration([2.0, 3.0, 1.0], [0.5, 0.0, 0.0])
+    res = {"calibrations": {"a": fitted, "b": fitted}}
+    assert evaluation.save_calibrations(res, folders, trained={"a": 3, "b": 7}) == ["b"]
+    assert sts.load(folders["a"]) == fitted and sts.load(folders["b"]) == sts.Calibration.identity(7)

@@ -155,7 +155,16 @@ def oracle_bound(cfg, model, reqs: list, sp: SamplingParams, gamma: int) -> tupl
     return oracle.bound(model, responses, gamma, sp, law, ec.oracle_paths, ec.oracle_drafts, ec.oracle_stride, ec.seed)
 
 
-def save_calibrations(res: dict, folders: dict[str, Path], extra: dict | None = None) -> None:
-    """Each STS calibration `evaluate` fitted, into its drafter's folder (`folders`: name -> local folder)."""
+def save_calibrations(
+    res: dict, folders: dict[str, Path], extra: dict | None = None, trained: dict[str, int] | None = None
+) -> list[str]:
+    """Each STS calibration `evaluate` fitted, into its drafter's folder (`folders`: name -> local folder),
+    except one fitted at another gamma than the drafter's trained one (`trained`: name -> gamma), which
+    would stop it being served at that gamma. Returns the names not saved for that reason."""
+    kept = []
     for name, cal in res["calibrations"].items():
+        if trained and len(cal.temps) != trained[name]:
+            kept.append(name)
+            continue
         sts.save(folders[name], cal, {"fitted_on": "validation split, T=1", **(extra or {})})
+    return kept
