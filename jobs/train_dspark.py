@@ -88,7 +88,8 @@ def evaluate_and_register(cfg, storage, res) -> None:
             out = Path(cfg.eval.out_dir) / res["name"]
             ev = evaluation.evaluate(cfg, tgt, {cfg.train.drafter: drafter}, Corpus.load(cfg.corpus), out)
             if ev["calibrations"]:  # the calibration travels with the drafter
-                evaluation.save_calibrations(ev, {cfg.train.drafter: local})
+                kind = cfg.train.drafter
+                evaluation.save_calibrations(ev, {kind: local}, trained={kind: drafter.c.gamma})
                 storage.upload_dir(local, res["out_uri"])
             with tracking.run(cfg, res["name"], run_id=res["run_id"]) as t:
                 evaluation.log_results(t, ev, out, prefix="eval.", artifact_path="eval")
