@@ -1,8 +1,10 @@
 """Target-generic data paths: the configured mask token reaches drafters, a bfloat16 target's drafter
 trains in float32, the built-in target renders exactly its historical format, and the evaluation runs
-on named prompt sets from files (multi-turn ones measured turn by turn)."""
+on named prompt sets from files (multi-turn ones measured turn by turn), and no committed training
+prompt is an evaluated one."""
 
 import json
+from pathlib import Path
 
 import torch
 
@@ -55,6 +57,23 @@ def test_evaluation_on_named_prompt_sets_measures_every_turn(tmp_path):
     assert set(rows) == {("target", "chat"), ("d", "chat"), ("target", "code"), ("d", "code")}
     assert rows[("d", "chat")].prompts == 3 and rows[("target", "code")].speedup == 1.0
     assert "| d | chat | 0 | 2 |" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_no_evaluated_prompt_is_a_training_prompt():
+    prompts = Path(__file__).resolve().parents[2] / "data" / "prompts"
+
+    def turns(split: str) -> set[str]:
+        return {
+            t
+            for f in (prompts / split).glob("*.jsonl")
+            for ln in f.read_text().split("\n")
+            if ln.strip()
+            for t in json.loads(ln)["turns"]
+        }
+
+    train, evaluated = turns("train"), turns("eval")
+    assert len(train) > 1000 and len(evaluated) > 80
+    assert not train & evaluated
 
 
 def test_drafter_of_a_bfloat16_target_trains_in_float32():
