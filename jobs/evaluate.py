@@ -58,11 +58,10 @@ def main(argv=None):
             }
         )
         res = evaluation.evaluate(cfg, tgt, drafters, Corpus.load(cfg.corpus), out, calibrate=not args.no_calibrate)
-        trained = {name: d.c.gamma for name, d in drafters.items()}
-        for name in evaluation.save_calibrations(res, paths, trained=trained):
+        for name in evaluation.save_calibrations(res, paths):
             print(
-                f"[eval] {name}: calibration fitted at gamma {cfg.eval.gamma}, trained at {trained[name]}: not saved "
-                "with the drafter (it is in results.json)"
+                f"[eval] {name}: calibration fitted at gamma {cfg.eval.gamma}, trained at {drafters[name].c.gamma}: "
+                "not saved with the drafter (it is in results.json)"
             )
         evaluation.log_results(tracker, res, out)
     sys.stdout.write((out / "results.md").read_text())

@@ -121,7 +121,7 @@ def stage_eval(cfg: Config, storage, tracker) -> dict:
         out = Path(cfg.eval.out_dir) / "quickstart"
         ev = evaluation.evaluate(cfg, tgt, {"dspark": drafter}, Corpus.load(cfg.corpus), out)
         if ev["calibrations"]:
-            evaluation.save_calibrations(ev, {"dspark": local}, trained={"dspark": drafter.c.gamma})
+            evaluation.save_calibrations(ev, {"dspark": local})
             storage.upload_dir(local, uri)
     evaluation.log_results(tracker, ev, out, prefix="eval.", artifact_path="eval")
     print((out / "results.md").read_text().rstrip())

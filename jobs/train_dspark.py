@@ -89,7 +89,7 @@ def evaluate_and_register(cfg, storage, res) -> None:
             ev = evaluation.evaluate(cfg, tgt, {cfg.train.drafter: drafter}, Corpus.load(cfg.corpus), out)
             if ev["calibrations"]:  # the calibration travels with the drafter
                 kind = cfg.train.drafter
-                evaluation.save_calibrations(ev, {kind: local}, trained={kind: drafter.c.gamma})
+                evaluation.save_calibrations(ev, {kind: local})
                 storage.upload_dir(local, res["out_uri"])
             with tracking.run(cfg, res["name"], run_id=res["run_id"]) as t:
                 evaluation.log_results(t, ev, out, prefix="eval.", artifact_path="eval")

@@ -14,7 +14,7 @@ from dspark.config import load_config
 from dspark.corpus.sources import Corpus
 from dspark.decoding.sampling import SamplingParams
 from dspark.errors import UserError
-from dspark.models import DrafterConfig, build_drafter
+from dspark.models import CONFIG_FILE, DrafterConfig, build_drafter
 
 
 class Recorder:
@@ -139,11 +139,14 @@ def test_interleaved_runs_answer_each_prompt_in_turn_and_as_each_would_alone():
 def test_a_calibration_fitted_at_another_gamma_than_trained_is_not_saved_with_the_drafter(tmp_path):
     """Evaluating at eval.gamma 3 a drafter trained at 7 must not replace its calibration with a 3-position
     one (serving at 7 would then refuse it); at the trained gamma it is saved."""
+    tgt = targets.load("builtin")
     folders = {n: tmp_path / n for n in ("a", "b")}
-    for f in folders.values():
-        f.mkdir()
+    for name, gamma in (("a", 3), ("b", 7)):  # the gamma each was trained at, in its folder's config.json
+        folders[name].mkdir()
+        c = DrafterConfig.from_target(tgt.config, "dspark", [1, 2, 3], tgt.tokenizer.mask_token_id, gamma=gamma)
+        c.save(folders[name] / CONFIG_FILE)
     sts.save(folders["b"], sts.Calibration.identity(7))
     fitted = sts.Calibration([2.0, 3.0, 1.0], [0.5, 0.0, 0.0])
     res = {"calibrations": {"a": fitted, "b": fitted}}
-    assert evaluation.save_calibrations(res, folders, trained={"a": 3, "b": 7}) == ["b"]
+    assert evaluation.save_calibrations(res, folders) == ["b"]
     assert sts.load(folders["a"]) == fitted and sts.load(folders["b"]) == sts.Calibration.identity(7)

@@ -42,6 +42,7 @@ from dspark.evaluation.report import (
     plot_reliability,
     plot_sweep,
 )
+from dspark.models import CONFIG_FILE, DrafterConfig
 from dspark.scheduling.policies import make_policy
 from dspark.scheduling.sps import SPSTable
 
@@ -155,15 +156,13 @@ def oracle_bound(cfg, model, reqs: list, sp: SamplingParams, gamma: int) -> tupl
     return oracle.bound(model, responses, gamma, sp, law, ec.oracle_paths, ec.oracle_drafts, ec.oracle_stride, ec.seed)
 
 
-def save_calibrations(
-    res: dict, folders: dict[str, Path], extra: dict | None = None, trained: dict[str, int] | None = None
-) -> list[str]:
+def save_calibrations(res: dict, folders: dict[str, Path], extra: dict | None = None) -> list[str]:
     """Each STS calibration `evaluate` fitted, into its drafter's folder (`folders`: name -> local folder),
-    except one fitted at another gamma than the drafter's trained one (`trained`: name -> gamma), which
-    would stop it being served at that gamma. Returns the names not saved for that reason."""
+    except one fitted at another gamma than the drafter was trained at (its folder's config.json): that one
+    would stop the drafter being served at its gamma. Returns the names not saved for that reason."""
     kept = []
     for name, cal in res["calibrations"].items():
-        if trained and len(cal.temps) != trained[name]:
+        if len(cal.temps) != DrafterConfig.load(folders[name] / CONFIG_FILE).gamma:
             kept.append(name)
             continue
         sts.save(folders[name], cal, {"fitted_on": "validation split, T=1", **(extra or {})})
