@@ -23,7 +23,16 @@ from tiny_models import tiny_model, untrained_drafter
 from dspark import target as targets
 from dspark.decoding import speculative as spec
 from dspark.decoding.runner import TargetRunner
-from dspark.decoding.sampling import HEAD, BatchSampler, SamplingParams, inverse_cdf, keyed_uniform, probs, race_winner
+from dspark.decoding.sampling import (
+    HEAD,
+    BatchSampler,
+    SamplingParams,
+    argmax,
+    inverse_cdf,
+    keyed_uniform,
+    probs,
+    race_winner,
+)
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.decoding.verify import verify_sampled
 from dspark.errors import UserError
@@ -559,6 +568,16 @@ def test_tiny_temperature_is_finite_and_greedy(tgt, prompt):
     out = SpeculativeDecoder(tgt.model, _drafter(tgt, "dspark")).run([Request(prompt, SamplingParams(1e-40), 12)])
     ref = SpeculativeDecoder(tgt.model, None).run([Request(prompt, SamplingParams(0.0), 12)])
     assert out[0].out == ref[0].out
+
+
+def test_argmax_takes_the_first_of_tied_maxima_as_torch_argmax():
+    """Greedy decoding's argmax (torch.max's indices, faster on CPU) breaks ties as torch.argmax does:
+    the first index. bf16 logits tie often; rows of small integers tie in almost every row here."""
+    g = torch.Generator().manual_seed(0)
+    for rows, V in ((1, 7), (8, 16384), (3, 49152)):
+        z = torch.randint(-3, 4, (rows, V), generator=g).float()
+        z[0] = 2.0  # a row of equal values: index 0
+        assert torch.equal(argmax(z), z.argmax(-1)) and int(argmax(z)[0]) == 0
 
 
 def test_greedy_decoding_is_the_targets_argmax_chain(tgt, prompt):

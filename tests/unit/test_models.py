@@ -15,7 +15,7 @@ from dspark.config import load_config
 from dspark.errors import UserError
 from dspark.models import load_drafter, save_drafter, warm_start
 from dspark.models.drafter import DraftState, select_draft_vocab
-from dspark.models.layers import block_attention
+from dspark.models.layers import DraftLayer, block_attention
 from dspark.target.packed import PackedLinear
 from dspark.train.anchors import sample_anchors, slot_labels
 from dspark.train.loss import LossWeights, drafter_loss
@@ -308,7 +308,8 @@ def test_train_bf16_on_a_cpu_is_autocast_only_where_bf16_is_native(tgt, monkeypa
 )
 def test_a_drafter_loaded_beside_a_packed_target_is_packed_and_drafts_the_same(tgt, tmp_path, kind, markov, draft_ids):
     """load_drafter next to a bf16 target with packed linears (target.cpu_prepack) packs the drafter's
-    linears and its LM head too: the same weights and state dict, the same logits within bf16 rounding."""
+    linears and its LM head too, each draft layer's q/k/v and gate/up as one product each: the same
+    weights and state dict, the same logits within bf16 rounding."""
     save_drafter(_drafter(tgt, kind, markov, draft_ids), tmp_path)
     packed_target = targets.load("builtin", dtype="bfloat16")
     plain = load_drafter(tmp_path, targets.load("builtin", dtype="bfloat16", cpu_prepack=False).model)
@@ -319,6 +320,11 @@ def test_a_drafter_loaded_beside_a_packed_target_is_packed_and_drafts_the_same(t
         return
     assert n_packed == sum(type(m) is torch.nn.Linear for m in plain.modules()) > 0
     assert loaded.packed_lm_head is not None and plain.packed_lm_head is None
+    layers = {
+        name: [m for m in d.modules() if isinstance(m, DraftLayer)]
+        for name, d in (("plain", plain), ("packed", loaded))
+    }
+    assert layers["packed"] and all(m.stacked for m in layers["packed"]) and not any(m.stacked for m in layers["plain"])
     a, b = plain.state_dict(), loaded.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ids, feats, _ = _batch(tgt)

@@ -47,11 +47,17 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def argmax(z: torch.Tensor) -> torch.Tensor:
+    """z (..., V) -> each row's argmax, the first index on ties, as torch.argmax: torch.max's indices,
+    which on this project's CPU take a third of argmax's time (float32, 8 x 49,152: 95 against 282 us)."""
+    return z.max(-1).indices
+
+
 def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """logits (..., V) -> the processed distribution (..., V) in float32."""
     z = logits.float()
     if sp.greedy:
-        return torch.nn.functional.one_hot(z.argmax(-1), z.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax(z), z.shape[-1]).float()
     if sp.temperature != 1.0:
         # subtract the max BEFORE dividing: a tiny T then sends the others to -inf instead of inf - inf = NaN
         z = (z - z.max(-1, keepdim=True).values) / sp.temperature
@@ -185,7 +191,7 @@ class BatchSampler:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if all(sp.greedy for sp in self.params):  # every row its argmax: no distribution to return
             self.calls += 1
-            toks = logits.float().argmax(-1)
+            toks = argmax(logits.float())
             return (toks if ids is None else ids.to(toks.device)[toks]), None
         rows = batch_probs(logits, self.params)  # (R, n)
         # one uniform per request from its own generator, then ONE batched search (one multinomial call

@@ -352,9 +352,10 @@ class SpeculativeDecoder:
         first = rows_per_request.cumsum(0) - rows_per_request  # request r's rows of p: first[r] .. first[r] + l_r
         z = torch.cat(logits).float()  # (T, V)
         if all(r.sp.greedy for r in reqs):  # p one-hot at the argmax: x_k accepted iff it is p_k's argmax
-            if z.amax(-1).isnan().any():  # (a NaN would be the argmax)
+            top = z.max(-1)  # each row's max and its first index: argmax's choice (sampling.argmax)
+            if top.values.isnan().any():  # (a NaN would be the argmax)
                 raise FloatingPointError("the target's distribution is not finite (NaN logits)")
-            n, y = verify_choices(drafts, l, z.argmax(-1), first)  # no q, p or uniforms needed
+            n, y = verify_choices(drafts, l, top.indices, first)  # no q, p or uniforms needed
             return n.tolist(), y.tolist()
         p = batch_probs(z, [r.sp for r, k in zip(reqs, n_rows) for _ in range(k)])  # (T, V)
         if not p.sum(-1).isfinite().all():  # entries in [0, 1] or NaN: any NaN or inf makes its row sum non-finite

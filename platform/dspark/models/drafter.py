@@ -20,7 +20,7 @@ from torch import nn
 
 from dspark.errors import UserError
 from dspark.models.config import DrafterConfig
-from dspark.models.layers import FrozenTargetHead
+from dspark.models.layers import DraftLayer, FrozenTargetHead
 from dspark.target import packed
 
 # sample(logits (R, V)) -> (tokens (R,), probabilities (R, V) or None when greedy); with a draft vocabulary
@@ -146,13 +146,17 @@ class Drafter(nn.Module):
 
     def pack_like(self, target_model: nn.Module) -> int:
         """Beside a target whose linears are packed (target.cpu_prepack): every linear and the LM head the
-        drafter scores with run from oneDNN-packed weights too. Inference only (no gradients); the
-        weights, the state dict and what exports read are unchanged. Returns how many linears (0: none)."""
+        drafter scores with run from oneDNN-packed weights too, and each draft layer's linears of one input
+        as one product (`DraftLayer.stack`). Inference only (no gradients); the weights, the state dict and
+        what exports read are unchanged. Returns how many linears were packed (0: none)."""
         n = packed.prepack(self) if packed.is_packed(target_model) else 0
         if n:
             self.packed_lm_head = packed.pack(
                 self.head.lm_head_weight if self.draft_lm_head is None else self.draft_lm_head
             )
+            for layer in self.modules():
+                if isinstance(layer, DraftLayer):
+                    layer.stack()
         return n
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

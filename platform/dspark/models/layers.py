@@ -9,6 +9,7 @@ from torch import nn
 
 from dspark.errors import UserError
 from dspark.models.config import DrafterConfig
+from dspark.target.packed import PackedLinear
 
 
 class ContextFusion(nn.Module):
@@ -88,6 +89,21 @@ class DraftLayer(nn.Module):
         self.gate = nn.Linear(d, c.intermediate_size, bias=False)
         self.up = nn.Linear(d, c.intermediate_size, bias=False)
         self.down = nn.Linear(c.intermediate_size, d, bias=False)
+        # "qkv", "kv", "gate_up" -> one packed product for linears of the same input (`stack`; empty: none)
+        self.stacked: dict[str, PackedLinear] = {}
+
+    def stack(self) -> bool:
+        """Once its linears are packed (inference beside a packed target, `Drafter.pack_like`): q, k, v as
+        one product, k, v as one for the context's rows, gate and up as one (`PackedLinear.stacked`: each
+        call streams the weights of several). False, and nothing stacked, where they are not packed."""
+        parts = {
+            "qkv": [self.q_proj, self.k_proj, self.v_proj],
+            "kv": [self.k_proj, self.v_proj],
+            "gate_up": [self.gate, self.up],
+        }
+        stacked = {name: PackedLinear.stacked(linears) for name, linears in parts.items()}
+        self.stacked = stacked if all(stacked.values()) else {}
+        return bool(self.stacked)
 
     # HF Llama/Qwen decoder-layer keys -> this layer's; OPTIONAL_KEYS are Qwen3's only (a Llama's stay at 1)
     TARGET_KEYS = {
@@ -126,10 +142,15 @@ class DraftLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h: (B, T, d) already normalised -> k, v: (B, KVH, T, hd), RoPE applied to k (`rot`: its cos/sin
         at pos, when the caller has them)."""
-        B, T, _ = h.shape
-        k = self.k_norm(self.k_proj(h).view(B, T, self.c.num_kv_heads, self.c.head_dim))
-        v = self.v_proj(h).view(B, T, self.c.num_kv_heads, self.c.head_dim)
-        rot = rot or rotation(pos, self.c.head_dim, self.c.rope_theta)
+        kv = self.stacked.get("kv")
+        k, v = (self.k_proj(h), self.v_proj(h)) if kv is None else kv(h).chunk(2, -1)
+        return self._heads_kv(k, v, rot or rotation(pos, self.c.head_dim, self.c.rope_theta))
+
+    def _heads_kv(self, k: torch.Tensor, v: torch.Tensor, rot: Rotation) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (B, T, KVH·hd) as projected -> (B, KVH, T, hd) each, k normalised and rotated."""
+        B, T, _ = k.shape
+        k = self.k_norm(k.view(B, T, self.c.num_kv_heads, self.c.head_dim))
+        v = v.view(B, T, self.c.num_kv_heads, self.c.head_dim)
         return rope(k, rot).transpose(1, 2), v.transpose(1, 2)
 
     def forward(
@@ -149,10 +170,16 @@ class DraftLayer(nn.Module):
         rotation at pos, when the caller shares it between layers. Returns (B, Q, d) and this call's own k/v."""
         B, Q, _ = x.shape
         h = self.input_norm(x) if attn_in is None else attn_in
-        q = self.q_norm(self.q_proj(h).view(B, Q, self.c.num_heads, self.c.head_dim))
-        rot = rot or rotation(pos, self.c.head_dim, self.c.rope_theta)
-        q = rope(q, rot).transpose(1, 2)  # (B, H, Q, hd)
-        k, v = self.project_kv(h, pos, rot)  # (B, KVH, Q, hd)
+        H, KVH, hd = self.c.num_heads, self.c.num_kv_heads, self.c.head_dim
+        qkv = self.stacked.get("qkv")
+        q, k, v = (
+            (self.q_proj(h), self.k_proj(h), self.v_proj(h))
+            if qkv is None
+            else qkv(h).split([H * hd, KVH * hd, KVH * hd], -1)
+        )
+        rot = rot or rotation(pos, hd, self.c.rope_theta)
+        q = rope(self.q_norm(q.view(B, Q, H, hd)), rot).transpose(1, 2)  # (B, H, Q, hd)
+        k, v = self._heads_kv(k, v, rot)  # (B, KVH, Q, hd)
         if block:
             a = block_attention(q, prefix, mask, k, v, block)
         else:
@@ -160,7 +187,9 @@ class DraftLayer(nn.Module):
             a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)  # (B, H, Q, hd)
         x = x + self.o_proj(a.transpose(1, 2).reshape(B, Q, -1))
         h = self.post_norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h)), (k, v)
+        gate_up = self.stacked.get("gate_up")
+        gate, up = (self.gate(h), self.up(h)) if gate_up is None else gate_up(h).chunk(2, -1)
+        return x + self.down(F.silu(gate) * up), (k, v)
 
 
 class FrozenTargetHead(nn.Module):
