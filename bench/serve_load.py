@@ -31,7 +31,9 @@ throughput vs per-user speed PNG (the paper's Fig. 7 axes), and gates.json: what
 draft gate measured (tokens/s of its drafted and of its plain rounds at each number of requests, over
 the whole run), printed as [gate] lines, and what every round of each kind took ([gate run] lines: a
 drafted round's tokens/s with the drafter's catch-up over earlier plain rounds' and new prompts'
-positions, which the gate's timing leaves out, and that catch-up's share of its time).
+positions, which the gate's timing leaves out, and that catch-up's share of its time). After each point an
+indented line splits the point's wall time by what the engine thread did meanwhile (`Engine.busy_s`:
+admitting requests, their prefill included; rounds; turning tokens into text), the rest being its idle time.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from serving.app import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_MODE = "vLLM-CPU target-only"
+BUSY = ("prefill", "rounds", "emit")  # the engine's phases (Engine.busy_s)
 
 
 def bench_prompts(cfg) -> list[dict]:
@@ -144,6 +147,7 @@ async def load(url, prompts, users, seconds, max_requests, sampling) -> dict:
     return {
         "requests": len(out),
         "tokens": sum(x["tokens"] for x in out),
+        "wall_s": wall,
         "tok_s": sum(x["tokens"] for x in out) / wall,
         "per_user_tok_s": statistics.mean(x["tokens"] / x["latency"] for x in out),
         "p50": lat[len(lat) // 2],
@@ -152,6 +156,14 @@ async def load(url, prompts, users, seconds, max_requests, sampling) -> dict:
         "budget": statistics.mean(x["budget"] for x in spec) if spec else None,
         "drafting_share": statistics.mean(x["drafted"] for x in spec) if spec else None,
     }
+
+
+def engine_busy(url: str) -> dict | None:
+    """The engine's busy seconds by phase so far (`Engine.busy_s`); None for a server without our /v1/engine."""
+    try:
+        return httpx.get(url + "/v1/engine", timeout=30).json().get("busy_s")
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 def save_costs(url: str, path: Path) -> None:
@@ -289,7 +301,11 @@ def main(argv=None):
 
     def measure(rep: int, mode: str, c: int) -> None:
         per_user = max(args.requests, math.ceil(args.min_requests / c))
+        before = engine_busy(urls[mode])
         r = asyncio.run(load(urls[mode], prompts, c, args.seconds, per_user, sampling))
+        after = engine_busy(urls[mode])
+        for phase in BUSY:  # where the engine thread's time went during the point (None: not our engine)
+            r[f"{phase}_s"] = after[phase] - before[phase] if before and after else None
         results[mode][c].append(r)
         print(
             f"[{rep + 1}/{args.repeats}] {mode:30s} C={c:3d}: {r['tok_s']:7.1f} tok/s total, "
@@ -298,6 +314,13 @@ def main(argv=None):
             f"drafting {fmt(r['drafting_share'], '.2f')} ({r['requests']} requests)",
             flush=True,
         )
+        if r["rounds_s"] is not None:
+            print(
+                f"    engine over the point's {r['wall_s']:.1f} s: "
+                + ", ".join(f"{phase} {r[f'{phase}_s']:.1f} s" for phase in BUSY)
+                + f", the rest {r['wall_s'] - sum(r[f'{phase}_s'] for phase in BUSY):.1f} s",
+                flush=True,
+            )
 
     for mode in modes:  # warm-up
         asyncio.run(load(urls[mode], prompts, 1, 5, 2, {**sampling, "max_tokens": 16}))

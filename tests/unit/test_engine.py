@@ -2,6 +2,7 @@
 each still gets exactly the target's greedy output; bounded queue; cancellation; stop strings."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -56,12 +57,15 @@ def test_concurrent_requests_get_exact_greedy_outputs(tgt, drafter, policy):
     prompts = [f"def g{i}(a):\n" for i in range(7)]
     # drafting costs 3 target steps: the adaptive policies skip drafting in some rounds, probing every 2
     cost = SPSTable([1, 16], [100.0, 90.0], draft_batch=[1], draft_s=[0.03])
+    started = time.perf_counter()
     eng = engine(tgt, drafter, policy=policy, max_batch=3, max_queue=16, probe_rounds=2, sps=cost)
     if eng.decoder.gate is not None:  # the cost model decides (wall-clock measurements must not steer a test)
         eng.decoder.gate.timed = lambda R, drafted, tokens, seconds, catch_up_s=0.0: None
     try:
         streams = [eng.submit(ids_of(tgt, p), SamplingParams(0.0), 16, 0) for p in prompts]  # 7 requests, 3 slots
         outs = [collect(s) for s in streams]
+        busy = eng.state()["busy_s"]  # the engine thread's time by phase: parts of its life, each one used
+        assert min(busy.values()) > 0 and sum(busy.values()) < time.perf_counter() - started
     finally:
         eng.close()
     plain = SpeculativeDecoder(tgt.model, None).run(

@@ -142,6 +142,9 @@ class Engine:
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.ids = itertools.count()
+        # seconds the engine thread spent admitting requests (their prefill and first token), in rounds, and
+        # turning rounds' tokens into text events, since it started (state(): where a server's time goes)
+        self.busy_s = {"prefill": 0.0, "rounds": 0.0, "emit": 0.0}
         self.running = True
         self.threads = threads  # torch intra-op threads of the engine thread (0 = torch's setting)
         self.torch_threads = 0  # what the engine thread runs with, once started
@@ -225,6 +228,7 @@ class Engine:
             "torch_threads": self.torch_threads,
             "calibration": self.decoder.calibration.to_dict() if self.decoder.calibration else None,
             "draft_gate": self.decoder.gate.state() if self.decoder.gate is not None else None,
+            "busy_s": dict(self.busy_s),
         }
 
     def close(self) -> None:
@@ -248,8 +252,11 @@ class Engine:
             ready.set_exception(e)
             return
         ready.set_result(None)
+        busy = self.busy_s
         while self.running:
+            t0 = time.perf_counter()
             self._admit()
+            busy["prefill"] += time.perf_counter() - t0
             dec = self.decoder
             for s in [self.streams[id(r)] for r in dec.active if self.streams[id(r)].finish_reason == "cancelled"]:
                 dec.cancel(s.req)
@@ -267,9 +274,12 @@ class Engine:
                     dec.cancel(r)
                     self.streams.pop(id(r)).fail(f"round failed: {type(e).__name__}: {e}", 500)
                 continue
-            self._observe(batch, time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            busy["rounds"] += t1 - t0
+            self._observe(batch, t1 - t0)
             for r in batch:
                 self._emit_or_fail(self.streams[id(r)])
+            busy["emit"] += time.perf_counter() - t1
 
     def _admit(self) -> None:
         dec = self.decoder
