@@ -92,10 +92,10 @@ class DraftLayer(nn.Module):
         # "qkv", "kv", "gate_up" -> one packed product for linears of the same input (`stack`; empty: none)
         self.stacked: dict[str, PackedLinear] = {}
 
-    def stack(self) -> bool:
+    def stack(self) -> None:
         """Once its linears are packed (inference beside a packed target, `Drafter.pack_like`): q, k, v as
         one product, k, v as one for the context's rows, gate and up as one (`PackedLinear.stacked`: each
-        call streams the weights of several). False, and nothing stacked, where they are not packed."""
+        call streams the weights of several). Nothing is stacked where they are not packed."""
         parts = {
             "qkv": [self.q_proj, self.k_proj, self.v_proj],
             "kv": [self.k_proj, self.v_proj],
@@ -103,7 +103,6 @@ class DraftLayer(nn.Module):
         }
         stacked = {name: PackedLinear.stacked(linears) for name, linears in parts.items()}
         self.stacked = stacked if all(stacked.values()) else {}
-        return bool(self.stacked)
 
     # HF Llama/Qwen decoder-layer keys -> this layer's; OPTIONAL_KEYS are Qwen3's only (a Llama's stay at 1)
     TARGET_KEYS = {
