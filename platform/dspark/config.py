@@ -80,7 +80,8 @@ class TargetConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Optional[str] = None  # "sdpa", "eager", "flash_attention_2"; None = library default
     threads: int = Field(0, ge=0)  # torch intra-op threads on CPU; 0 = leave torch's default
-    # a bfloat16 target on a CPU with native bf16: linears from oneDNN-packed weights (dspark.target.packed)
+    # a float32 target on a CPU, or a bfloat16 one on a CPU with native bf16: linears from oneDNN-packed
+    # weights (dspark.target.packed)
     cpu_prepack: bool = True
 
 

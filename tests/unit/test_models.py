@@ -242,7 +242,7 @@ def test_the_draft_vocabulary_loss_is_the_exact_total_variation(tgt):
 def test_a_draft_vocabulary_is_saved_with_the_weights(tgt, tmp_path):
     drafter = _drafter(tgt, "dspark", "vanilla", DRAFT_IDS)
     save_drafter(drafter, tmp_path)
-    loaded = load_drafter(tmp_path, tgt.model)
+    loaded = load_drafter(tmp_path, targets.load("builtin", cpu_prepack=False).model)  # not packed: the same products
     assert loaded.draft_ids.dtype == torch.long and loaded.draft_ids.tolist() == DRAFT_IDS
     assert torch.equal(loaded.t2d, drafter.t2d) and torch.equal(loaded.draft_lm_head, drafter.draft_lm_head)
     ids, feats, _ = _batch(tgt)
@@ -303,20 +303,23 @@ def test_train_bf16_on_a_cpu_is_autocast_only_where_bf16_is_native(tgt, monkeypa
     assert not loss_and_grad(TrainConfig(bf16=True))[0]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
     "kind, markov, draft_ids",
     [("dspark", "vanilla", DRAFT_IDS), ("dflash", "none", None), ("eagle3", "none", DRAFT_IDS)],
 )
-def test_a_drafter_loaded_beside_a_packed_target_is_packed_and_drafts_the_same(tgt, tmp_path, kind, markov, draft_ids):
-    """load_drafter next to a bf16 target with packed linears (target.cpu_prepack) packs the drafter's
-    linears and its LM head too, each draft layer's q/k/v and gate/up as one product each: the same
-    weights and state dict, the same logits within bf16 rounding."""
+def test_a_drafter_loaded_beside_a_packed_target_is_packed_and_drafts_the_same(
+    tgt, tmp_path, kind, markov, draft_ids, dtype
+):
+    """load_drafter next to a target with packed linears (target.cpu_prepack: float32, or bf16 on a CPU
+    that multiplies it natively) packs the drafter's linears and its LM head too, each draft layer's q/k/v
+    and gate/up as one product each: the same weights and state dict, the same logits within rounding."""
     save_drafter(_drafter(tgt, kind, markov, draft_ids), tmp_path)
-    packed_target = targets.load("builtin", dtype="bfloat16")
-    plain = load_drafter(tmp_path, targets.load("builtin", dtype="bfloat16", cpu_prepack=False).model)
+    packed_target = targets.load("builtin", dtype=dtype)
+    plain = load_drafter(tmp_path, targets.load("builtin", dtype=dtype, cpu_prepack=False).model)
     loaded = load_drafter(tmp_path, packed_target.model)
     n_packed = sum(type(m) is PackedLinear for m in loaded.modules())
-    if not targets.native_bf16("cpu"):  # emulated bf16: neither is packed
+    if dtype == "bfloat16" and not targets.native_bf16("cpu"):  # emulated bf16: neither is packed
         assert n_packed == 0 and loaded.packed_lm_head is None
         return
     assert n_packed == sum(type(m) is torch.nn.Linear for m in plain.modules()) > 0
@@ -344,7 +347,8 @@ def test_a_drafter_loaded_beside_a_packed_target_is_packed_and_drafts_the_same(t
     assert got.shape == want.shape == (GAMMA, 1, tgt.config.vocab_size)
     inside = torch.isfinite(want)
     assert torch.equal(inside, torch.isfinite(got))
-    torch.testing.assert_close(got[inside], want[inside], atol=0.05, rtol=0.02)  # a different summation order
+    tol = dict(atol=0.05, rtol=0.02) if dtype == "bfloat16" else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[inside], want[inside], **tol)  # a different summation order
 
 
 def test_a_drafter_started_from_the_targets_top_layers_reads_the_context_as_those_layers_do(tgt):

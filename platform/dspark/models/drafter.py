@@ -161,7 +161,7 @@ class Drafter(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h (..., d) -> logits over the draft vocabulary (..., V_d); (..., V) without one."""
-        if self.packed_lm_head is not None and h.dtype == torch.bfloat16:
+        if self.packed_lm_head is not None and h.dtype == self.head.lm_head_weight.dtype:  # packed in that dtype
             return packed.linear(h, self.packed_lm_head)
         if self.draft_ids is None:
             return self.head.logits(h)

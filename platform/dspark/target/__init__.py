@@ -252,7 +252,8 @@ def load(
     cpu_prepack: bool = True,
 ) -> Target:
     """Load any decoder-only HF causal LM with its tokenizer, frozen, in eval mode (dtype: see resolve_dtype).
-    cpu_prepack: a bfloat16 model on a CPU with native bf16 gets oneDNN-packed linears (`packed`)."""
+    cpu_prepack: a float32 model on a CPU, or a bfloat16 one on a CPU with native bf16, gets oneDNN-packed
+    linears (`packed`)."""
     from transformers import AutoModelForCausalLM
 
     dtype = resolve_dtype(dtype, device)
@@ -266,7 +267,7 @@ def load(
         raise UserError(f"target {path!r} could not be loaded: {str(e).splitlines()[0]}") from None
     tokenizer = prepare_tokenizer(load_tokenizer(path), model.config.vocab_size, mask_token, pad_token)
     model.to(device).eval().requires_grad_(False)
-    if cpu_prepack and native_bf16(device):
+    if cpu_prepack and (dtype == "float32" or native_bf16(device)):
         packed.prepack(model)
     return Target(name_or_path, path, model, tokenizer, weights_hash(path), hub_revision(path))
 
