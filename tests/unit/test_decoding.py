@@ -102,6 +102,21 @@ def test_runner_matches_hf_forward_with_rollback(tgt, prompt):
     assert (again.logits[0] - tgt.model(seqs[0][None]).logits[0, -2:]).abs().max() < 1e-4
 
 
+def test_a_prefill_computes_logits_at_each_requests_last_token_alone(tgt, prompt):
+    """last_only (a prefill): one logits row per request, its last new token's (where the first output token
+    comes from), the same as the full forward's; the taps still at every token; any slot order."""
+    full, last = (TargetRunner(tgt.model, [1, 2, 3], max_slots=2) for _ in range(2))
+    seqs = [torch.tensor(prompt), torch.tensor(prompt[:5])]
+    a = full.forward([full.alloc() for _ in seqs], seqs)
+    slots = [last.alloc() for _ in seqs][::-1]  # slots 1, 0: the runner sorts the batch and back
+    b = last.forward(slots, seqs[::-1], last_only=True)
+    for i, s in enumerate(seqs[::-1]):
+        want = a.logits[1 - i]
+        assert b.logits[i].shape == (1, tgt.config.vocab_size)
+        torch.testing.assert_close(b.logits[i], want[-1:], atol=1e-5, rtol=1e-5)
+        assert b.taps[i].shape[0] == len(s) and torch.equal(b.taps[i], a.taps[1 - i])
+
+
 def _drafter(tgt, kind, gamma=5, markov="vanilla"):
     """kind: dspark, dflash, eagle3, or dflash-fill-in (the fill-in block, train.sample_from_anchor=false)."""
     base = kind.removesuffix("-fill-in")
@@ -708,7 +723,7 @@ def test_a_drafter_that_skipped_rounds_catches_up_to_the_same_state(tgt, prompt,
 def test_a_failed_prefill_frees_its_slot(tgt, prompt, monkeypatch):
     dec = SpeculativeDecoder(tgt.model, PerturbedTarget(tgt.model, 4), gamma=4, max_slots=2)
 
-    def out_of_memory(*a):
+    def out_of_memory(*a, **kw):
         raise MemoryError("out of memory")
 
     monkeypatch.setattr(dec.runner, "forward", out_of_memory)

@@ -50,7 +50,7 @@ def profile(
         per = [B // R + (1 if r < B % R else 0) for r in range(R)]
         runner = TargetRunner(target_model, [], max_slots=R, capacity=context + max(per) + 1)
         slots = [runner.alloc() for _ in range(R)]
-        runner.forward(slots, [torch.randint(0, vocab, (context,)) for _ in slots])
+        runner.forward(slots, [torch.randint(0, vocab, (context,)) for _ in slots], last_only=True)
         times = []
         for i in range(warmup + repeats):
             toks = [torch.randint(0, vocab, (n,)) for n in per]

@@ -23,7 +23,7 @@ from dspark.target.packed import PackedLinear
 
 @dataclass
 class StepOutput:
-    logits: list[torch.Tensor]  # per request (n_r, V)
+    logits: list[torch.Tensor]  # per request (n_r, V); (1, V) at its last new token with last_only
     taps: list[torch.Tensor]  # per request (n_r, m, d): tapped layer outputs for the drafter
 
 
@@ -163,11 +163,14 @@ class TargetRunner:
 
     # -- forward
     @torch.no_grad()
-    def forward(self, slots: list[int], tokens: list[torch.Tensor]) -> StepOutput:
-        """Append tokens[r] (n_r,) to slot slots[r]; returns logits and taps for every new token."""
+    def forward(self, slots: list[int], tokens: list[torch.Tensor], last_only: bool = False) -> StepOutput:
+        """Append tokens[r] (n_r,) to slot slots[r]; returns logits and taps for every new token. last_only:
+        logits at each request's last new token alone (a prefill: its first output token needs no other row,
+        and the LM head over every prompt token cost SmolLM2 a fifth of a prefill's products); taps still at
+        every token."""
         order = sorted(range(len(slots)), key=slots.__getitem__)
         if order != list(range(len(slots))):  # by slot: a server whose slots are all busy reads its KV as a view
-            out = self.forward([slots[i] for i in order], [tokens[i] for i in order])
+            out = self.forward([slots[i] for i in order], [tokens[i] for i in order], last_only)
             back = sorted(range(len(order)), key=order.__getitem__)  # request r's place in the sorted forward
             return StepOutput([out.logits[k] for k in back], [out.taps[k] for k in back])
         n = [int(t.numel()) for t in tokens]
@@ -212,11 +215,13 @@ class TargetRunner:
                 taps.append(x[0])
         for s, e in zip(slots, end):
             self.lengths[s] = e
-        logits = self.model.lm_head(self.base.norm(x))[0]  # (Ttot, V)
+        feats = torch.stack(taps, 1) if taps else x.new_zeros(len(ids), 0, x.shape[-1])  # (Ttot, m, d)
+        if last_only:
+            x = x[:, n_t.cumsum(0) - 1]  # (1, R, d): each request's last new token
+        logits = self.model.lm_head(self.base.norm(x))[0]  # (Ttot, V), or (R, V) with last_only
         if self.softcap is not None:  # Gemma: logits = c * tanh(logits / c)
             logits = self.softcap * torch.tanh(logits / self.softcap)
-        feats = torch.stack(taps, 1) if taps else logits.new_zeros(len(ids), 0, x.shape[-1])  # (Ttot, m, d)
-        return StepOutput(list(logits.split(n)), list(feats.split(n)))
+        return StepOutput(list(logits.split(1 if last_only else n)), list(feats.split(n)))
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> dict:
         """layer type -> (cos, sin), each (Ttot, 1, hd)."""

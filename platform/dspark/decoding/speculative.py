@@ -160,9 +160,9 @@ class SpeculativeDecoder:
             for req in reqs:
                 req.gen = torch.Generator().manual_seed(req.seed)
                 req.slot = self.runner.alloc()
-            out = self.runner.forward([r.slot for r in reqs], [torch.tensor(r.prompt) for r in reqs])
+            out = self.runner.forward([r.slot for r in reqs], [torch.tensor(r.prompt) for r in reqs], last_only=True)
             no_drafts = torch.zeros(len(reqs), 0, dtype=torch.long)  # the first token: a round verifying nothing
-            _, firsts = self._verify(reqs, no_drafts, [0] * len(reqs), None, [x[-1:] for x in out.logits])
+            _, firsts = self._verify(reqs, no_drafts, [0] * len(reqs), None, out.logits)  # (1, V) each
             if self.drafter is not None:
                 for req, f, t in zip(reqs, firsts, out.taps):
                     req.state = DraftState()
@@ -174,7 +174,7 @@ class SpeculativeDecoder:
         dt = (time.perf_counter() - t0) / len(reqs)
         for req, first, x in zip(reqs, firsts, out.logits):
             req.prefill_s += dt
-            self._commit(req, [first], token_logprobs(x[-1:], [first], req.logprobs) if req.logprobs >= 0 else None)
+            self._commit(req, [first], token_logprobs(x, [first], req.logprobs) if req.logprobs >= 0 else None)
             if not req.done:
                 self.active.append(req)
         # in slot order: the runner's forward reads a sorted batch's KV slots in place (see runner.forward)
