@@ -40,6 +40,20 @@ def test_default_layers_match_the_paper_and_validate():
         resolve_layers(6, [3, 1], 3)
 
 
+def test_extract_reads_the_targets_own_hidden_states():
+    """The tapped layers' outputs and the final norm's, as the target's own forward computes them (extract
+    skips the LM head over all but the last token: its logits are not read)."""
+    model = targets.load("builtin").model
+    ids = list(range(10, 40))
+    feats, last = extract(model, ids, LAYERS)
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    assert feats.shape == (len(ids), len(LAYERS), model.config.hidden_size)
+    for j, i in enumerate(LAYERS):
+        torch.testing.assert_close(feats[:, j], out.hidden_states[i + 1][0])
+    torch.testing.assert_close(last, out.hidden_states[-1][0])
+
+
 def test_codecs_roundtrip_and_fp8_error_bound():
     x = torch.randn(50, 3, 256) * torch.logspace(-3, 2, 50)[:, None, None]
     bf = codecs.decode(codecs.encode(x, "bf16"), "bf16", 256).reshape(x.shape)

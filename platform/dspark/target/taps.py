@@ -9,6 +9,7 @@ target's distribution.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 
 import numpy as np
@@ -72,7 +73,10 @@ def extract(model, input_ids: list[int], layers: list[int]) -> tuple[torch.Tenso
     """One target forward over one sequence: (T, m, d) tapped layer outputs and (T, d) last hidden."""
     device = next(model.parameters()).device
     ids = torch.tensor([input_ids], device=device)
+    # the logits are not read: an HF model that can keep none but the last row's skips the LM head over the
+    # rest (a fifth of a SmolLM2 forward's products)
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     with capture(model, layers) as out:
-        model(input_ids=ids, use_cache=False)
+        model(input_ids=ids, use_cache=False, **keep)
     feats = torch.stack([h[0] for h in out["layers"]], dim=1)  # (T, m, d)
     return feats, out["last"][0]  # (T, m, d), (T, d)
