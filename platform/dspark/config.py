@@ -81,7 +81,7 @@ class TargetConfig(Section):
     attn_implementation: Optional[str] = None  # "sdpa", "eager", "flash_attention_2"; None = library default
     threads: int = Field(0, ge=0)  # torch intra-op threads on CPU; 0 = leave torch's default
     # a float32 target on a CPU, or a bfloat16 one on a CPU with native bf16: linears from oneDNN-packed
-    # weights (dspark.target.packed)
+    # weights (dspark.target.packed; a second copy of them in memory)
     cpu_prepack: bool = True
 
 
