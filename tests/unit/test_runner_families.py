@@ -65,17 +65,18 @@ def test_runner_equals_hf_forward(family):
     check_against_hf(model, seqs, 1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_a_packed_bf16_runner_runs_stacked_projections_and_equals_hf_forward(family):
-    """A bf16 target on a CPU that multiplies bf16 natively (target.cpu_prepack): the runner reads q, k, v
-    and gate, up as one packed product each; its logits stay the HF forward's up to bf16 rounding."""
-    if not targets.native_bf16("cpu"):
+def test_a_packed_runner_runs_stacked_projections_and_equals_hf_forward(family, dtype):
+    """A float32 target, or a bf16 one on a CPU that multiplies bf16 natively (target.cpu_prepack): the runner
+    reads q, k, v and gate, up as one packed product each; its logits stay the HF forward's up to rounding."""
+    if dtype == "bfloat16" and not targets.native_bf16("cpu"):
         pytest.skip("this CPU emulates bf16: nothing is packed")
-    model = tiny_model(family).to(torch.bfloat16)
+    model = tiny_model(family).to(getattr(torch, dtype))
     assert packed.prepack(model) > 0
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, TINY["vocab_size"], (n,), generator=g) for n in (11, 4, 14)]
-    r = check_against_hf(model, seqs, 0.05)
+    r = check_against_hf(model, seqs, 0.05 if dtype == "bfloat16" else 1e-4)
     assert all(type(m) is packed.PackedLinear for m in r.qkv + r.gate_up)
 
 
