@@ -29,7 +29,8 @@ rotated each repeat (so a slow spell of the machine does not fall on one mode); 
 and the adaptive/best-fixed ratio is taken within each repeat. Writes results.json, a table and a
 throughput vs per-user speed PNG (the paper's Fig. 7 axes), and gates.json: what each adaptive mode's
 draft gate measured (tokens/s of its drafted and of its plain rounds at each number of requests, over
-the whole run), printed as [gate] lines, and what every round of each kind took ([gate run] lines: a
+the whole run, drafted rounds charged the prompt reading per token it prints), printed as [gate] lines,
+and what every round of each kind took ([gate run] lines: a
 drafted round's tokens/s with the drafter's catch-up over earlier plain rounds' and new prompts'
 positions, which the gate's timing leaves out, and that catch-up's share of its time). After each point an
 indented line splits the point's wall time by what the engine thread did meanwhile (`Engine.busy_s`:
@@ -349,6 +350,11 @@ def main(argv=None):
             gates[m] = {"error": str(e)}
     serve.shutdown()
     for mode, gate in gates.items():
+        if (gate or {}).get("prompt_s_per_token") is not None:
+            print(
+                f"[gate] {mode}: prompt reading charged to drafted rounds: "
+                f"{gate['prompt_s_per_token'] * 1e3:.3f} ms per token"
+            )
         for R, speed in (gate or {}).get("speed", {}).items():
             print(
                 f"[gate] {mode}, R={R}: "

@@ -297,7 +297,8 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     nothing, which stops drafting until the next probe. gap: as cost, but a probe also waits until its
     drafting round costs at most `overhead` of the plain rounds before it (3-4 rounds here, from R).
     catch-up: as gap, but the probe's price is mostly the drafter's catch-up over the positions it has
-    not read (new requests' prompts, skipped rounds): the wait varies with the batch's history.
+    not read (new requests' prompts, skipped rounds): the wait varies with the batch's history, and the
+    model charges drafted rounds the prompts' reading per output token of the requests that ended.
     timed: the gate decides from what rounds took (`DraftGate.timed`), and here what a drafted round
     "took" depends on the tokens emitted so far: half a plain round's time per token until their total
     reaches 8000, then 3x; so whether a round drafts follows earlier rounds' acceptance, and the measured
@@ -360,8 +361,9 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     assert all(r.verified == 0 and r.conf_logit is None for r in rounds if not r.drafted)
     if kind in ("cost", "gap"):  # the sunk drafting cost: Algorithm 1 verifies more than on the SPS curve alone
         assert verified > 3
-    if kind == "catch-up":  # the wait followed what the drafter had not read
-        assert len(gaps) >= 3
+    if kind == "catch-up":  # the wait followed what the drafter had not read, and drafting's price the prompts
+        assert len(gaps) >= 3 and gate.prompt_s_per_token() > 0
+    assert gate.ended == sum(bool(r.rounds) for r in reqs)  # every request decoded in rounds told the gate its end
     if kind in ("timed", "lone"):  # both kinds of round were timed at the full batch, and the measurement decided
         print(f"[exactness] measured verdicts: {collections.Counter(verdicts)}")
         assert min(gate.speed(R, drafted)[1] for drafted in (True, False)) >= 2

@@ -214,6 +214,37 @@ def test_the_draft_gate_follows_what_rounds_took_over_its_model():
     }
 
 
+def test_drafted_rounds_are_charged_the_prompt_reading_per_output_token():
+    """Plain decoding never reads a prompt into the drafter, drafting reads each request's once (t_e per
+    position): a drafted round's rate carries kappa = t_e * P / O per token it emitted (P and O the mean
+    prompt and output of the requests that ended), in the measurement and in the model; the run's totals
+    keep the seconds the rounds took. Drafted rounds at 120 tokens/s against plain ones at 100 win
+    uncharged and lose once prompts of 300 positions at 1 ms each are spread over outputs of 100 tokens
+    (3 ms per token: 1 / (1/120 + 0.003) = 88 tokens/s)."""
+    sps = SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.001], extend_s=0.001)
+    gate = DraftGate(sps, gamma=4, max_interval=8, min_rounds=2)
+    gate.observe([4], [1])
+    gate.observe([4], [0])  # alpha = (0.5, 0, 0, 0)
+    assert gate.prompt_s_per_token() == 0.0 and gate.drafting_pays(1)  # no request ended: nothing to charge
+    for drafted, tokens, seconds in [(False, 1, 0.01)] * 2 + [(True, 3, 0.025)] * 2:
+        gate.timed(1, drafted, tokens, seconds)
+    assert gate.speed(1, True)[0] == pytest.approx(120.0) and gate.measured(1) is True
+    fresh = DraftGate(sps, gamma=4, max_interval=8, min_rounds=2)
+    fresh.observe([4], [1])
+    fresh.observe([4], [0])
+    for prompt, output in [(200, 50), (400, 150)]:
+        fresh.finished(prompt, output)
+    assert fresh.prompt_s_per_token() == pytest.approx(0.003)
+    # the model: 1.5 tokens in 10 + 1 ms (136 tokens/s) uncharged, in 10 + 1 + 4.5 ms (97) charged
+    assert not fresh.drafting_pays(1)
+    assert draft_pays(fresh.alpha, 1, sps) and not draft_pays(fresh.alpha, 1, sps, prompt_s=0.003)
+    for drafted, tokens, seconds in [(False, 1, 0.01)] * 2 + [(True, 3, 0.025)] * 2:
+        fresh.timed(1, drafted, tokens, seconds)
+    assert fresh.speed(1, True)[0] == pytest.approx(1 / (1 / 120 + 0.003)) and fresh.measured(1) is False
+    assert fresh.state()["run"]["1"]["drafted"]["seconds"] == pytest.approx(0.05)
+    assert fresh.state()["prompt_s_per_token"] == pytest.approx(0.003)
+
+
 def test_drafting_goes_on_unless_the_measurement_shows_it_loses():
     """Once both kinds of round were timed, drafting goes on, whatever the model says, unless drafted rounds
     emit fewer tokens/s (by more than `z` standard errors of the difference: with z > 0, a few unlucky

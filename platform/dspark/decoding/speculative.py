@@ -329,6 +329,8 @@ class SpeculativeDecoder:
                 r.defer(t, new)
         for r, _, new, lp in committed:
             self._commit(r, new, lp)
+            if r.done and self.gate is not None:  # what a request's prompt costs drafting per output token
+                self.gate.finished(len(r.prompt), len(r.out))
         self.active = [r for r in reqs if not r.done]
         if self.gate is not None and self.gamma:
             seconds = time.perf_counter() - start - probe_s

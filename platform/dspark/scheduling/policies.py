@@ -119,18 +119,20 @@ def static_threshold(a: np.ndarray, threshold: float) -> np.ndarray:
     return (np.asarray(a) >= threshold).cumprod(axis=1).sum(axis=1).astype(np.int64)
 
 
-def draft_rate(alpha: np.ndarray, R: int, sps: SPSTable, overhead_s: float = 0.0) -> float:
+def draft_rate(alpha: np.ndarray, R: int, sps: SPSTable, overhead_s: float = 0.0, prompt_s: float = 0.0) -> float:
     """The best Theta of drafting at R requests with one static length l = 1..gamma, predicted from the
     per-position conditional acceptance alpha (gamma,): tau = R * (1 + sum_{j<=l} prod_{i<=j} alpha_i),
-    and the round takes o + t_d(R) + 1/SPS(R * (1 + l)), o the round's cost outside the forward passes."""
+    and the round takes o + t_d(R) + kappa * tau + 1/SPS(R * (1 + l)), o the round's cost outside the
+    forward passes, kappa (`prompt_s`) the drafter's prompt reading per output token
+    (`DraftGate.prompt_s_per_token`)."""
     tau = R * (1.0 + np.cumsum(np.cumprod(alpha)))  # (gamma,): l = 1..gamma
     t_d = sps.draft_time(R)
-    return max(rate(float(t), R * (2 + j), sps, t_d + overhead_s) for j, t in enumerate(tau))
+    return max(rate(float(t), R * (2 + j), sps, t_d + overhead_s + prompt_s * t) for j, t in enumerate(tau))
 
 
-def draft_pays(alpha: np.ndarray, R: int, sps: SPSTable, overhead_s: float = 0.0) -> bool:
+def draft_pays(alpha: np.ndarray, R: int, sps: SPSTable, overhead_s: float = 0.0, prompt_s: float = 0.0) -> bool:
     """Drafting is expected to beat plain target decoding, Theta_0 = R / (o + 1/SPS(R))."""
-    return draft_rate(alpha, R, sps, overhead_s) > rate(R, R, sps, overhead_s)
+    return draft_rate(alpha, R, sps, overhead_s, prompt_s) > rate(R, R, sps, overhead_s)
 
 
 def running_average(old: float, n: int, x: float, weight: float) -> float:
@@ -195,7 +197,11 @@ class DraftGate:
     The measurement: the decoder reports what each round took (`timed`: tokens emitted, and seconds
     without the part of the drafter's catch-up that reads positions of earlier plain rounds or new
     prompts, which is the probe's price above; reading the previous drafted round's tokens is part of
-    drafting; `RoundTimes`, over the last `window` or so rounds of each kind). Once `min_rounds` drafted
+    drafting; `RoundTimes`, over the last `window` or so rounds of each kind). Reading prompts is a cost
+    of drafting all the same (plain decoding never reads them), so a drafted round is charged it per
+    output token instead of when it happens: kappa = t_e * P / O, the server's mean prompt P and output
+    O of the requests that ended (`finished`; `prompt_s_per_token`), times the tokens it emitted; the
+    model's drafted rounds too. Once `min_rounds` drafted
     and `min_rounds` plain rounds were timed at R, the measured rates decide, whatever the model predicts:
     drafting goes on unless drafted rounds emit fewer tokens per second than plain ones (by more than `z`
     standard errors of the difference: z > 0 gives drafting the benefit of the doubt). A profiled cost
@@ -252,6 +258,7 @@ class DraftGate:
         self.since_plain: dict[int, int] = {}  # R -> drafted rounds since a plain round was timed at R
         self.totals: dict[tuple[int, bool], tuple] = {}  # (R, drafted) -> rounds, tokens, s, catch-up s
         self.accepted, self.request_rounds = 0.0, 0  # the server's mean accepted drafts per request and drafted round
+        self.prompt_tokens, self.output_tokens, self.ended = 0.0, 0.0, 0  # mean prompt and output of ended requests
 
     def __call__(self, R: int, behind: int = 0, own: Optional[list[tuple[int, int]]] = None) -> bool:
         """Draft this round for R requests? `behind`: context positions the drafter has not read yet (it
@@ -308,7 +315,7 @@ class DraftGate:
         if verdict is not None:
             return verdict
         if R not in self.pays:
-            self.pays[R] = draft_pays(self.alpha, R, self.sps, self.overhead_s(R))
+            self.pays[R] = draft_pays(self.alpha, R, self.sps, self.overhead_s(R), self.prompt_s_per_token())
         return self.pays[R]
 
     def overhead_s(self, R: int) -> float:
@@ -345,14 +352,30 @@ class DraftGate:
                     self.alpha[j], self.rounds[j], float((n[reached] > j).mean()), self.weight
                 )
 
+    def finished(self, prompt_tokens: int, output_tokens: int) -> None:
+        """A request that was decoded in rounds ended with `output_tokens` after a prompt of `prompt_tokens`."""
+        self.ended += 1
+        w = 1 / self.window
+        self.prompt_tokens = running_average(self.prompt_tokens, self.ended, prompt_tokens, w)
+        self.output_tokens = running_average(self.output_tokens, self.ended, output_tokens, w)
+        self.pays.clear()  # the model's price of drafting moved
+
+    def prompt_s_per_token(self) -> float:
+        """kappa = t_e * P / O: where every round drafts, the drafter reads each request's prompt once (t_e
+        per position), its share per output token over the requests that ended (0 before any did)."""
+        return self.sps.catch_up_time(self.prompt_tokens) / self.output_tokens if self.output_tokens else 0.0
+
     def timed(self, R: int, drafted: bool, tokens: int, seconds: float, catch_up_s: float = 0.0) -> None:
         """A round of R requests emitted `tokens` in `seconds` (its catch-up excluded); drafted or plain.
-        `catch_up_s`, the catch-up it excluded, is only counted in the run's totals (`state`)."""
+        A drafted round's measured rate is charged its tokens' share of prompt reading (`prompt_s_per_token`);
+        `catch_up_s`, the catch-up it excluded, is only counted in the run's totals (`state`), which hold the
+        seconds the rounds took."""
         if seconds <= 0:
             return
         n, t, s, c = self.totals.get((R, drafted), (0, 0, 0.0, 0.0))
         self.totals[(R, drafted)] = (n + 1, t + tokens, s + seconds, c + catch_up_s)
-        self.rounds_timed.setdefault((R, drafted), RoundTimes(1 / self.window)).add(tokens, seconds)
+        charged = seconds + self.prompt_s_per_token() * tokens if drafted else seconds
+        self.rounds_timed.setdefault((R, drafted), RoundTimes(1 / self.window)).add(tokens, charged)
         if not drafted:
             self.pays.pop(R, None)  # o(R) moved
         self.since_plain[R] = self.since_plain.get(R, 0) + 1 if drafted else 0
@@ -363,8 +386,9 @@ class DraftGate:
         return (times.rate, times.n) if times else (0.0, 0)
 
     def state(self) -> dict:
-        """What the gate decides from (alpha, the measured tokens/s per R) and, per R, what every round
-        of each kind took over the run, the catch-up that timing leaves out included (for the engine's state)."""
+        """What the gate decides from (alpha, the prompt charge kappa, the measured tokens/s per R) and, per R,
+        what every round of each kind took over the run, the catch-up that timing leaves out included (for
+        the engine's state)."""
         speeds: dict[str, dict] = {}
         for R, drafted in sorted(dict(self.rounds_timed)):  # a copy: the engine thread writes it
             speed, n = self.speed(R, drafted)
@@ -377,7 +401,12 @@ class DraftGate:
                 "seconds": seconds,
                 "catch_up_s": catch_up,
             }
-        return {"alpha": self.alpha.round(4).tolist(), "speed": speeds, "run": run}
+        return {
+            "alpha": self.alpha.round(4).tolist(),
+            "prompt_s_per_token": self.prompt_s_per_token(),
+            "speed": speeds,
+            "run": run,
+        }
 
 
 POLICIES = ("none", "static", "threshold", "greedy", "async")

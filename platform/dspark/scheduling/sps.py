@@ -54,7 +54,7 @@ class SPSTable:
             return float(t[-1] * R / r[-1])
         return float(np.interp(R, r, t))
 
-    def catch_up_time(self, positions: int) -> float:
+    def catch_up_time(self, positions: float) -> float:
         """Seconds for the drafter to read `positions` context positions it has not seen yet."""
         return self.extend_s * positions
 
