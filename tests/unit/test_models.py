@@ -14,7 +14,7 @@ from dspark import target as targets
 from dspark.config import load_config
 from dspark.errors import UserError
 from dspark.models import load_drafter, save_drafter, warm_start
-from dspark.models.drafter import DraftState, select_draft_vocab
+from dspark.models.drafter import DraftCache, DraftState, pad_states, select_draft_vocab
 from dspark.models.layers import DraftLayer, block_attention
 from dspark.target.packed import PackedLinear
 from dspark.train.anchors import sample_anchors, slot_labels
@@ -181,6 +181,41 @@ def test_draft_state_appends_into_buffers_that_double():
     for layer, (k, v) in enumerate(state.kv):
         assert torch.equal(k, torch.cat([c[layer][0] for c in chunks], 1))
         assert torch.equal(v, torch.cat([c[layer][1] for c in chunks], 1))
+
+
+@pytest.mark.parametrize("kind, markov", [("dspark", "vanilla"), ("eagle3", "none")])
+def test_requests_in_a_shared_draft_cache_draft_as_they_do_alone(tgt, kind, markov):
+    """Decoding keeps every request's drafter context in its slot of one DraftCache: a round over
+    consecutive slots reads them as one view (no copy), other slots in one gather, and either way each
+    request drafts what it drafts alone, also in a slot an earlier, longer request used."""
+    drafter = _drafter(tgt, kind, markov).eval()
+    ids, feats, _ = _batch(tgt, B=4)
+    # committed context per request (positions' features, the token after each): 20, 7, 66 and 67 positions
+    ctx = [(feats[r, :n], ids[r, 1 : n + 1]) for r, n in ((0, 20), (1, 7))]
+    ctx += [(feats[r].repeat(3, 1, 1)[:n], ids[r, 1:].repeat(3)[:n]) for r, n in ((2, 66), (3, 67))]
+    cache = DraftCache(4)
+    long = cache.state(1)  # slot 1 first holds a longer request, then a new one
+    drafter.extend([long], [feats[1, :22]], [ids[1, 1:23]])
+    shared = [cache.state(slot) for slot in range(4)]
+    drafter.extend(shared[:2], [f for f, _ in ctx[:2]], [t for _, t in ctx[:2]])
+    for r in (2, 3):  # later calls, the cache growing past its first capacity (64)
+        drafter.extend([shared[r]], [ctx[r][0]], [ctx[r][1]])
+    alone = [DraftState() for _ in ctx]
+    for a, (f, t) in zip(alone, ctx):
+        drafter.extend([a], [f], [t])
+    kv, valid = pad_states(shared, 1)
+    assert kv[0][0].data_ptr() == cache.k[0].data_ptr() and kv[0][0].shape[0] == 4  # a view of slots 0..3
+    assert valid.sum(1).tolist() == [s.length for s in shared]
+    anchors = ids[:, -1]
+    for rows in ([0, 1, 2, 3], [0, 2, 3], [1, 3]):
+        with torch.no_grad():
+            batched = drafter.propose([shared[r] for r in rows], anchors[rows], GAMMA, _greedy)
+            for i, r in enumerate(rows):
+                one = drafter.propose([alone[r]], anchors[r].view(1), GAMMA, _greedy)
+                assert torch.equal(batched.tokens[i], one.tokens[0]), (rows, r)
+                assert (batched.probs[i] - one.probs[0]).abs().max() < 1e-5
+                if one.conf_logit is not None:
+                    assert (batched.conf_logit[i] - one.conf_logit[0]).abs().max() < 1e-5
 
 
 def test_select_draft_vocab_keeps_the_most_frequent_ids_in_order():

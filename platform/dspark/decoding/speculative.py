@@ -33,7 +33,7 @@ from dspark.decoding.runner import TargetRunner
 from dspark.decoding.sampling import BatchSampler, SamplingParams, batch_probs, race_winner
 from dspark.decoding.verify import verify_choices, verify_sampled
 from dspark.errors import UserError
-from dspark.models.drafter import Drafter, DraftState
+from dspark.models.drafter import DraftCache, Drafter, DraftState
 from dspark.scheduling.policies import DraftGate, Policy
 
 MAX_DRAFTER_BACKOFF = 64  # rounds without drafting after repeated drafter errors
@@ -133,6 +133,7 @@ class SpeculativeDecoder:
         # max_len: tokens (prompt + output) per request; bounds every KV slot (0 = the target's limit)
         self.runner = TargetRunner(target_model, taps, max_slots=max_slots, capacity=capacity, max_len=max_len)
         self.max_len = self.runner.max_len
+        self.draft_cache = DraftCache(max_slots)  # the drafter's context, request r in its target slot's rows
         self.calibration = calibration  # STS of the confidence logits (None = raw)
         self.active: list[Request] = []
         self.drafter_error: str | None = None  # the drafter's latest error (decoding fell back to the target)
@@ -165,7 +166,7 @@ class SpeculativeDecoder:
             _, firsts = self._verify(reqs, no_drafts, [0] * len(reqs), None, out.logits)  # (1, V) each
             if self.drafter is not None:
                 for req, f, t in zip(reqs, firsts, out.taps):
-                    req.state = DraftState()
+                    req.state = self.draft_cache.state(req.slot)
                     req.defer(t, req.prompt[1:] + [f])
         except BaseException:
             for req in reqs:

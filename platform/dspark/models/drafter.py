@@ -39,31 +39,79 @@ class Proposal:
     vocab: Optional[torch.Tensor] = None
 
 
+class DraftCache:
+    """Every request's drafter context in ONE buffer per draft layer, k and v each (slots, KVH, capacity,
+    hd), as the target runner keeps its KV cache: request r's state lives in slot r's rows (the decoder
+    gives it the target slot of the request), so a round over requests in consecutive slots reads their
+    contexts as one view (`pad_states`) instead of copying each into a padded batch. The capacity doubles
+    when a slot needs more (every slot's rows move once: O(L) copies in all)."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.k: list[torch.Tensor] = []  # per layer (slots, KVH, capacity, hd); allocated at the first append
+        self.v: list[torch.Tensor] = []
+
+    def state(self, slot: int) -> "DraftState":
+        """A request's empty state in `slot` (rows left by an earlier request are zeroed: a masked position of
+        attention must hold a finite value)."""
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"draft cache slot {slot} not in 0..{self.slots - 1}")
+        for t in self.k + self.v:
+            t[slot].zero_()
+        return DraftState(cache=self, slot=slot)
+
+    def ensure(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], need: int) -> None:
+        """Room for `need` positions per slot; layer_kv (per layer (KVH, n, hd)) gives the shapes and dtype."""
+        capacity = self.k[0].shape[2] if self.k else 0
+        if need <= capacity:
+            return
+        capacity = max(need, 2 * capacity, 64)
+        for store, i in ((self.k, 0), (self.v, 1)):
+            grown = [
+                x[i].new_zeros(self.slots, x[i].shape[0], capacity, x[i].shape[2]) for x in layer_kv
+            ]  # all allocated before any is swapped in
+            for layer, old in enumerate(store):
+                grown[layer][:, :, : old.shape[2]] = old
+            store[:] = grown
+
+
 @dataclass
 class DraftState:
-    """Per-request drafter cache: per draft layer (k, v) buffers of shape (KVH, capacity, hd) whose first
-    `length` positions are the committed context. The capacity doubles when full, so appending L
-    positions copies O(L) in all (concatenating the whole cache every round copied O(L^2)); batching
-    several requests' caches for a round (pad_states) still copies each one (a single request's is not)."""
+    """Per-request drafter cache: per draft layer (k, v) of shape (KVH, capacity, hd) whose first `length`
+    positions are the committed context, in the request's slot of a shared `DraftCache` (decoding), or in
+    buffers of its own (cache None: profiling, tests). The capacity doubles when full, so appending L
+    positions copies O(L) in all (concatenating the whole cache every round copied O(L^2))."""
 
     buffers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     length: int = 0  # committed context positions 0 .. length-1
     extra: dict = field(default_factory=dict)  # drafter-specific (e.g. EAGLE-3's last hidden state)
+    cache: Optional[DraftCache] = None
+    slot: int = -1  # its rows in `cache`
 
     @property
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) views of shape (KVH, length, hd)."""
+        if self.cache is not None:
+            return [
+                (k[self.slot, :, : self.length], v[self.slot, :, : self.length])
+                for k, v in zip(self.cache.k, self.cache.v)
+            ]
         return [(k[:, : self.length], v[:, : self.length]) for k, v in self.buffers]
 
     def append(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
         """layer_kv: per layer (k, v) of shape (KVH, n, hd) for the new positions."""
         end = self.length + n
-        capacity = self.buffers[0][0].shape[1] if self.buffers else 0
-        if not self.buffers or end > capacity:
-            capacity = max(end, 2 * capacity, 64)
-            old = self.buffers or layer_kv  # the first append: only the shapes and dtype matter
-            self.buffers = [(_grown(k, self.length, capacity), _grown(v, self.length, capacity)) for k, v in old]
-        for (kb, vb), (k, v) in zip(self.buffers, layer_kv):
+        if self.cache is not None:
+            self.cache.ensure(layer_kv, end)
+            stores = [(k[self.slot], v[self.slot]) for k, v in zip(self.cache.k, self.cache.v)]
+        else:
+            capacity = self.buffers[0][0].shape[1] if self.buffers else 0
+            if not self.buffers or end > capacity:
+                capacity = max(end, 2 * capacity, 64)
+                old = self.buffers or layer_kv  # the first append: only the shapes and dtype matter
+                self.buffers = [(_grown(k, self.length, capacity), _grown(v, self.length, capacity)) for k, v in old]
+            stores = self.buffers
+        for (kb, vb), (k, v) in zip(stores, layer_kv):
             kb[:, self.length : end] = k
             vb[:, self.length : end] = v
         self.length = end
@@ -77,18 +125,23 @@ def _grown(t: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
 
 
 def pad_states(states: list[DraftState], n_layers: int):
-    """Stack per-request caches into (R, KVH, Cmax, hd) per layer plus a (R, Cmax) validity mask (read-only:
-    one request's cache is handed over as views, without a copy)."""
+    """Stack per-request caches into (R, KVH, Cmax, hd) per layer plus a (R, Cmax) validity mask (read-only).
+    One request's cache, or requests in consecutive slots of one DraftCache (in slot order), are handed
+    over as views, without a copy; other slots of one cache are gathered in one indexing per layer;
+    positions past a request's length are masked out."""
     R = len(states)
-    if R == 1:
-        s = states[0]
-        return [(k[None], v[None]) for k, v in s.kv[:n_layers]], torch.ones(
-            1, s.length, dtype=torch.bool, device=s.kv[0][0].device
-        )
     cmax = max(s.length for s in states)
     ref = states[0].kv[0][0]
+    lengths = torch.tensor([s.length for s in states], device=ref.device)
+    valid = torch.arange(cmax, device=ref.device)[None, :] < lengths[:, None]  # (R, Cmax)
+    if R == 1:
+        return [(k[None], v[None]) for k, v in states[0].kv[:n_layers]], valid
+    cache, first = states[0].cache, states[0].slot
+    if cache is not None and all(s.cache is cache for s in states):  # one view, or one gather of the rows
+        consecutive = all(s.slot == first + r for r, s in enumerate(states))
+        rows = slice(first, first + R) if consecutive else torch.tensor([s.slot for s in states], device=ref.device)
+        return [(k[rows, :, :cmax], v[rows, :, :cmax]) for k, v in zip(cache.k[:n_layers], cache.v[:n_layers])], valid
     kvh, hd = ref.shape[0], ref.shape[2]
-    valid = torch.zeros(R, cmax, dtype=torch.bool, device=ref.device)
     out = []
     for layer in range(n_layers):
         k = ref.new_zeros(R, kvh, cmax, hd)
@@ -97,8 +150,6 @@ def pad_states(states: list[DraftState], n_layers: int):
             k[r, :, : s.length] = s.kv[layer][0]
             v[r, :, : s.length] = s.kv[layer][1]
         out.append((k, v))
-    for r, s in enumerate(states):
-        valid[r, : s.length] = True
     return out, valid
 
 
