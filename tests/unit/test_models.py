@@ -165,16 +165,18 @@ def test_block_attention_is_dense_attention_with_a_block_diagonal_mask(N):
 
 
 def test_draft_state_appends_into_buffers_that_double():
+    """A state made alone gets a cache of one slot at its first append, grown by doubling."""
     g = torch.Generator().manual_seed(0)
     state, chunks = DraftState(), []
+    assert state.kv == [] and state.cache is None
     for n in [5, 1, 3, 60, 2, 200, 7]:  # a prompt, then rounds of committed tokens
         kv = [(torch.randn(2, n, 8, generator=g), torch.randn(2, n, 8, generator=g)) for _ in range(3)]
-        buffers = [k.data_ptr() for k, _ in state.buffers]
+        buffers = [k.data_ptr() for k in state.cache.k] if state.cache else []
         state.append(kv, n)
         chunks.append(kv)
-        grew = buffers != [k.data_ptr() for k, _ in state.buffers]
+        grew = buffers != [k.data_ptr() for k in state.cache.k]
         assert grew == (n in (5, 60, 200, 7))  # a copy only when full: capacity 64, 128, 271, 542
-    assert state.length == 278 and state.buffers[0][0].shape[1] == 542
+    assert state.length == 278 and state.cache.k[0].shape == (1, 2, 542, 8)
     empty = DraftState()
     empty.append([(torch.zeros(2, 0, 8), torch.zeros(2, 0, 8))], 0)  # no positions yet: still a (2, 0, 8) cache
     assert empty.kv[0][0].shape == (2, 0, 8)
@@ -203,9 +205,9 @@ def test_requests_in_a_shared_draft_cache_draft_as_they_do_alone(tgt, kind, mark
     alone = [DraftState() for _ in ctx]
     for a, (f, t) in zip(alone, ctx):
         drafter.extend([a], [f], [t])
-    kv, valid = pad_states(shared, 1)
-    assert kv[0][0].data_ptr() == cache.k[0].data_ptr() and kv[0][0].shape[0] == 4  # a view of slots 0..3
-    assert valid.sum(1).tolist() == [s.length for s in shared]
+    kv, valid = pad_states(shared, 1, room=GAMMA)
+    assert kv[0][0].data_ptr() == cache.k[0].data_ptr() and kv[0][0].shape[:3] == (4, cache.k[0].shape[1], 67 + GAMMA)
+    assert valid.shape == (4, 67) and valid.sum(1).tolist() == [s.length for s in shared]  # a view of slots 0..3
     anchors = ids[:, -1]
     for rows in ([0, 1, 2, 3], [0, 2, 3], [1, 3]):
         with torch.no_grad():

@@ -40,11 +40,11 @@ class Proposal:
 
 
 class DraftCache:
-    """Every request's drafter context in ONE buffer per draft layer, k and v each (slots, KVH, capacity,
-    hd), as the target runner keeps its KV cache: request r's state lives in slot r's rows (the decoder
-    gives it the target slot of the request), so a round over requests in consecutive slots reads their
-    contexts as one view (`pad_states`) instead of copying each into a padded batch. The capacity doubles
-    when a slot needs more (every slot's rows move once: O(L) copies in all)."""
+    """The drafter's context of every request in ONE buffer per draft layer, k and v each (slots, KVH,
+    capacity, hd), as the target runner keeps its KV cache: a request's state lives in its slot's rows (the
+    decoder gives it the request's target slot), so a round over requests in consecutive slots reads their
+    contexts as one view (`pad_states`), and the block a round drafts is written after them in place. The
+    capacity doubles when a slot needs more (every slot's rows move once: O(L) copies in all)."""
 
     def __init__(self, slots: int):
         self.slots = slots
@@ -60,16 +60,16 @@ class DraftCache:
             t[slot].zero_()
         return DraftState(cache=self, slot=slot)
 
-    def ensure(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], need: int) -> None:
-        """Room for `need` positions per slot; layer_kv (per layer (KVH, n, hd)) gives the shapes and dtype."""
+    def ensure(self, need: int, like: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None) -> None:
+        """Room for `need` positions per slot; `like` (per layer k, v of shape (KVH, n, hd)) gives the shapes
+        and dtype of a cache not allocated yet."""
         capacity = self.k[0].shape[2] if self.k else 0
-        if need <= capacity:
+        if self.k and need <= capacity:
             return
         capacity = max(need, 2 * capacity, 64)
-        for store, i in ((self.k, 0), (self.v, 1)):
-            grown = [
-                x[i].new_zeros(self.slots, x[i].shape[0], capacity, x[i].shape[2]) for x in layer_kv
-            ]  # all allocated before any is swapped in
+        for i, store in enumerate((self.k, self.v)):
+            shapes = [t[0] for t in store] if store else [kv[i] for kv in like]  # (KVH, *, hd) per layer
+            grown = [t.new_zeros(self.slots, t.shape[0], capacity, t.shape[-1]) for t in shapes]  # all first
             for layer, old in enumerate(store):
                 grown[layer][:, :, : old.shape[2]] = old
             store[:] = grown
@@ -77,78 +77,58 @@ class DraftCache:
 
 @dataclass
 class DraftState:
-    """Per-request drafter cache: per draft layer (k, v) of shape (KVH, capacity, hd) whose first `length`
-    positions are the committed context, in the request's slot of a shared `DraftCache` (decoding), or in
-    buffers of its own (cache None: profiling, tests). The capacity doubles when full, so appending L
-    positions copies O(L) in all (concatenating the whole cache every round copied O(L^2))."""
+    """Per-request drafter cache: per draft layer (k, v) whose first `length` positions are the committed
+    context, in the request's slot of a `DraftCache`: the decoder's, shared by its requests, or, for a state
+    made alone (profiling, tests), a cache of one slot made at its first append."""
 
-    buffers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     length: int = 0  # committed context positions 0 .. length-1
     extra: dict = field(default_factory=dict)  # drafter-specific (e.g. EAGLE-3's last hidden state)
     cache: Optional[DraftCache] = None
-    slot: int = -1  # its rows in `cache`
+    slot: int = 0  # its rows in `cache`
 
     @property
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) views of shape (KVH, length, hd)."""
-        if self.cache is not None:
-            return [
-                (k[self.slot, :, : self.length], v[self.slot, :, : self.length])
-                for k, v in zip(self.cache.k, self.cache.v)
-            ]
-        return [(k[:, : self.length], v[:, : self.length]) for k, v in self.buffers]
+        if self.cache is None:
+            return []
+        return [
+            (k[self.slot, :, : self.length], v[self.slot, :, : self.length]) for k, v in zip(self.cache.k, self.cache.v)
+        ]
 
     def append(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
         """layer_kv: per layer (k, v) of shape (KVH, n, hd) for the new positions."""
+        if self.cache is None:
+            self.cache, self.slot = DraftCache(1), 0
         end = self.length + n
-        if self.cache is not None:
-            self.cache.ensure(layer_kv, end)
-            stores = [(k[self.slot], v[self.slot]) for k, v in zip(self.cache.k, self.cache.v)]
-        else:
-            capacity = self.buffers[0][0].shape[1] if self.buffers else 0
-            if not self.buffers or end > capacity:
-                capacity = max(end, 2 * capacity, 64)
-                old = self.buffers or layer_kv  # the first append: only the shapes and dtype matter
-                self.buffers = [(_grown(k, self.length, capacity), _grown(v, self.length, capacity)) for k, v in old]
-            stores = self.buffers
-        for (kb, vb), (k, v) in zip(stores, layer_kv):
-            kb[:, self.length : end] = k
-            vb[:, self.length : end] = v
+        self.cache.ensure(end, layer_kv)
+        for kb, vb, (k, v) in zip(self.cache.k, self.cache.v, layer_kv):
+            kb[self.slot, :, self.length : end] = k
+            vb[self.slot, :, self.length : end] = v
         self.length = end
 
 
-def _grown(t: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
-    """A (KVH, capacity, hd) buffer holding the first `length` positions of t (KVH, *, hd)."""
-    out = t.new_empty(t.shape[0], capacity, t.shape[2])
-    out[:, :length] = t[:, :length]
-    return out
-
-
-def pad_states(states: list[DraftState], n_layers: int):
-    """Stack per-request caches into (R, KVH, Cmax, hd) per layer plus a (R, Cmax) validity mask (read-only).
-    One request's cache, or requests in consecutive slots of one DraftCache (in slot order), are handed
-    over as views, without a copy; other slots of one cache are gathered in one indexing per layer;
-    positions past a request's length are masked out."""
-    R = len(states)
-    cmax = max(s.length for s in states)
-    ref = states[0].kv[0][0]
-    lengths = torch.tensor([s.length for s in states], device=ref.device)
-    valid = torch.arange(cmax, device=ref.device)[None, :] < lengths[:, None]  # (R, Cmax)
-    if R == 1:
-        return [(k[None], v[None]) for k, v in states[0].kv[:n_layers]], valid
+def pad_states(states: list[DraftState], n_layers: int, room: int = 0):
+    """The requests' caches as (R, KVH, Cmax + room, hd) per layer plus a (R, Cmax) validity mask: positions
+    past a request's length are masked out, and the last `room` columns are free for the caller to write
+    (the block a round drafts: `block_attention`), in place of a concatenation. Requests in consecutive
+    slots of one DraftCache (in slot order; one request alone) are handed over as views, without a copy,
+    other slots of one cache gathered in one indexing per layer, states of several caches copied."""
+    R, cmax = len(states), max(s.length for s in states)
     cache, first = states[0].cache, states[0].slot
-    if cache is not None and all(s.cache is cache for s in states):  # one view, or one gather of the rows
+    lengths = torch.tensor([s.length for s in states], device=cache.k[0].device)
+    valid = torch.arange(cmax, device=lengths.device)[None, :] < lengths[:, None]  # (R, Cmax)
+    width = cmax + room
+    if all(s.cache is cache for s in states):
+        cache.ensure(width)
         consecutive = all(s.slot == first + r for r, s in enumerate(states))
-        rows = slice(first, first + R) if consecutive else torch.tensor([s.slot for s in states], device=ref.device)
-        return [(k[rows, :, :cmax], v[rows, :, :cmax]) for k, v in zip(cache.k[:n_layers], cache.v[:n_layers])], valid
-    kvh, hd = ref.shape[0], ref.shape[2]
+        rows = slice(first, first + R) if consecutive else torch.tensor([s.slot for s in states], device=valid.device)
+        return [(k[rows, :, :width], v[rows, :, :width]) for k, v in zip(cache.k[:n_layers], cache.v[:n_layers])], valid
     out = []
     for layer in range(n_layers):
-        k = ref.new_zeros(R, kvh, cmax, hd)
-        v = ref.new_zeros(R, kvh, cmax, hd)
+        ref = cache.k[layer]
+        k, v = ref.new_zeros(R, ref.shape[1], width, ref.shape[3]), ref.new_zeros(R, ref.shape[1], width, ref.shape[3])
         for r, s in enumerate(states):
-            k[r, :, : s.length] = s.kv[layer][0]
-            v[r, :, : s.length] = s.kv[layer][1]
+            k[r, :, : s.length], v[r, :, : s.length] = s.kv[layer]
         out.append((k, v))
     return out, valid
 

@@ -78,7 +78,7 @@ class DSpark(Drafter):
     @torch.no_grad()
     def propose(self, states: list[DraftState], anchors: torch.Tensor, gamma: int, sample: Sampler) -> Proposal:
         R, L = len(states), self.c.block_len(gamma)
-        ctx_kv, valid = pad_states(states, len(self.backbone.layers))
+        ctx_kv, valid = pad_states(states, len(self.backbone.layers), room=L)  # the block is written after it
         p = torch.tensor([s.length for s in states], device=anchors.device)  # anchor positions
         pos = p[:, None] + torch.arange(L, device=anchors.device)  # (R, L)
         x = self.head.embed(self._block(anchors, L)).to(ctx_kv[0][0].dtype)  # (R, L, d)

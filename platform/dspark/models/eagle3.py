@@ -91,20 +91,19 @@ class Eagle3(Drafter):
     @torch.no_grad()
     def propose(self, states: list[DraftState], anchors: torch.Tensor, gamma: int, sample: Sampler) -> Proposal:
         R = len(states)
-        kv, valid = pad_states(states, 1)
+        kv, valid = pad_states(states, 1, room=gamma - 1)  # the chain's k/v are written after the context
         ctx_k, ctx_v = kv[0]
+        C = valid.shape[1]
         h = torch.stack([s.extra["h"] for s in states])  # (R, d)
         last = torch.tensor([s.length - 1 for s in states], device=anchors.device)  # position of step 0
         tok, q = self.sample(sample, self.logits(self.norm(h)).float())
         toks, probs = [tok], [q]
-        ks, vs = [], []
         for k in range(1, gamma):
             own = torch.ones(R, 1, k, dtype=torch.bool, device=anchors.device)  # earlier chain steps + itself
             mask = torch.cat([valid[:, None, :], own], -1)[:, None]
-            prefix = (torch.cat([ctx_k, *ks], 2), torch.cat([ctx_v, *vs], 2))
-            out, (kk, vv) = self._step(tok[:, None], h[:, None], (last + k)[:, None], prefix, mask)
-            ks.append(kk)
-            vs.append(vv)
+            # the context, steps 1..k-1 (written by those steps), and room for this step's own k/v
+            prefix = (ctx_k[:, :, : C + k], ctx_v[:, :, : C + k])
+            out, _ = self._step(tok[:, None], h[:, None], (last + k)[:, None], prefix, mask)
             h = out[:, 0]
             tok, q = self.sample(sample, self.logits(self.norm(h)).float())
             toks.append(tok)

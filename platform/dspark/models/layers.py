@@ -63,11 +63,16 @@ def block_attention(q, prefix, ctx_mask, k, v, L: int) -> torch.Tensor:
     blocks' own. The same result as dense attention over [prefix; blocks] with a mask that is
     block-diagonal on the blocks' keys, computed as one softmax over [P prefix scores; L own-block
     scores] per query: N·L·(P + L) scores instead of N·L·(P + N·L) (training packs hundreds of anchors
-    per sequence). One block (drafting) is plain fused attention."""
+    per sequence). One block (drafting) is plain fused attention; it may come with room for itself after
+    the prefix, prefix k/v (B, KVH, P + L, hd) (a drafting round's `pad_states`): its k/v are written there
+    instead of concatenated with the prefix."""
     B, H, Q, hd = q.shape
     KVH, P = k.shape[1], prefix[0].shape[2]
     if Q == L:
         mask = torch.cat([ctx_mask, ctx_mask.new_ones(B, 1, Q, Q)], -1)
+        if P == ctx_mask.shape[-1] + Q:  # room after the context (pad_states): the block's own k/v go there
+            prefix[0][:, :, P - Q :], prefix[1][:, :, P - Q :] = k, v
+            return grouped_attention(q, prefix[0], prefix[1], mask)
         return grouped_attention(q, torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2), mask)
     N, g = Q // L, H // KVH  # blocks, query heads per kv head (head h reads kv head h // g)
     qg = q.view(B, KVH, g, Q, hd) * hd**-0.5
@@ -175,11 +180,13 @@ class DraftLayer(nn.Module):
         block: int = 0,
         rot: Rotation | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """x: (B, Q, d) the residual stream at positions pos (B, Q); prefix k/v: (B, KVH, P, hd); mask:
-        (B, 1, Q, P+Q) bool, True = visible (None = all visible); attn_in: (B, Q, attn_width·d) what q/k/v
-        read (default input_norm(x)). block > 0: the queries are Q / block blocks of `block` tokens, each
-        seeing its own block whole and the prefix where mask (B, 1, Q, P) allows (block_attention). rot: the
-        rotation at pos, when the caller shares it between layers. Returns (B, Q, d) and this call's own k/v."""
+        """x: (B, Q, d) the residual stream at positions pos (B, Q); prefix k/v: (B, KVH, P, hd), or (B, KVH,
+        P + Q, hd) whose last Q columns are room for this call's own k/v (written there, not concatenated:
+        a drafting round's cache, `pad_states`); mask: (B, 1, Q, P+Q) bool, True = visible (None = all
+        visible); attn_in: (B, Q, attn_width·d) what q/k/v read (default input_norm(x)). block > 0: the
+        queries are Q / block blocks of `block` tokens, each seeing its own block whole and the prefix where
+        mask (B, 1, Q, P) allows (block_attention). rot: the rotation at pos, when the caller shares it
+        between layers. Returns (B, Q, d) and this call's own k/v."""
         B, Q, _ = x.shape
         h = self.input_norm(x) if attn_in is None else attn_in
         H, KVH, hd = self.c.num_heads, self.c.num_kv_heads, self.c.head_dim
@@ -194,6 +201,9 @@ class DraftLayer(nn.Module):
         k, v = self._heads_kv(k, v, rot)  # (B, KVH, Q, hd)
         if block:
             a = block_attention(q, prefix, mask, k, v, block)
+        elif prefix is not None and mask is not None and prefix[0].shape[2] == mask.shape[-1]:  # room for k/v
+            prefix[0][:, :, -Q:], prefix[1][:, :, -Q:] = k, v
+            a = grouped_attention(q, prefix[0], prefix[1], mask)
         else:
             k_all, v_all = (k, v) if prefix is None else (torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2))
             a = grouped_attention(q, k_all, v_all, mask)  # (B, H, Q, hd)
