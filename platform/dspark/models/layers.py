@@ -56,6 +56,16 @@ def grouped_attention(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor
     return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).view(B, H, Q, hd)
 
 
+def with_own(prefix: tuple[torch.Tensor, torch.Tensor], k, v, room: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [prefix; own] along the positions: prefix k/v (B, KVH, P, hd), own k/v (B, KVH, Q, hd).
+    room: the prefix's last Q columns are free for them (a drafting round's cache, `pad_states`), and they
+    are written there; else concatenated."""
+    if room:
+        prefix[0][:, :, -k.shape[2] :], prefix[1][:, :, -v.shape[2] :] = k, v
+        return prefix
+    return torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2)
+
+
 def block_attention(q, prefix, ctx_mask, k, v, L: int) -> torch.Tensor:
     """Attention of N packed blocks of L queries: each query sees the visible prefix and its own block.
 
@@ -70,10 +80,7 @@ def block_attention(q, prefix, ctx_mask, k, v, L: int) -> torch.Tensor:
     KVH, P = k.shape[1], prefix[0].shape[2]
     if Q == L:
         mask = torch.cat([ctx_mask, ctx_mask.new_ones(B, 1, Q, Q)], -1)
-        if P == ctx_mask.shape[-1] + Q:  # room after the context (pad_states): the block's own k/v go there
-            prefix[0][:, :, P - Q :], prefix[1][:, :, P - Q :] = k, v
-            return grouped_attention(q, prefix[0], prefix[1], mask)
-        return grouped_attention(q, torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2), mask)
+        return grouped_attention(q, *with_own(prefix, k, v, room=P == ctx_mask.shape[-1] + Q), mask)
     N, g = Q // L, H // KVH  # blocks, query heads per kv head (head h reads kv head h // g)
     qg = q.view(B, KVH, g, Q, hd) * hd**-0.5
     s_ctx = (qg @ prefix[0][:, :, None].transpose(-1, -2)).masked_fill(~ctx_mask[:, :, None], float("-inf"))
@@ -201,11 +208,9 @@ class DraftLayer(nn.Module):
         k, v = self._heads_kv(k, v, rot)  # (B, KVH, Q, hd)
         if block:
             a = block_attention(q, prefix, mask, k, v, block)
-        elif prefix is not None and mask is not None and prefix[0].shape[2] == mask.shape[-1]:  # room for k/v
-            prefix[0][:, :, -Q:], prefix[1][:, :, -Q:] = k, v
-            a = grouped_attention(q, prefix[0], prefix[1], mask)
         else:
-            k_all, v_all = (k, v) if prefix is None else (torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2))
+            room = mask is not None and prefix is not None and prefix[0].shape[2] == mask.shape[-1]
+            k_all, v_all = (k, v) if prefix is None else with_own(prefix, k, v, room)
             a = grouped_attention(q, k_all, v_all, mask)  # (B, H, Q, hd)
         x = x + self.o_proj(a.transpose(1, 2).reshape(B, Q, -1))
         h = self.post_norm(x)
