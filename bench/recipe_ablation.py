@@ -24,6 +24,8 @@ Rows (--rows picks some; the recipe row is this project's defaults):
   taps123     taps [1, 2, 3], the earlier default: the target's lowest layers (the recipe and the paper:
               spread over the whole depth); needs --taps-cache, a cache of the same rows with those taps
   kl          KL(p_t || p_d) as the distribution term (the paper: L1 = 2 TV)
+  top         draft layers start as the target's top layers (configs/smollm2.yaml's setting; neither
+              reference does it: their drafters start from random weights, as the recipe does)
 Equal steps, not equal time (a row's seconds, in results.json, depend on what else ran). Writes
 results.json and results.md into --out; each row's drafter is kept there, so a rerun reuses it.
 """
@@ -52,6 +54,7 @@ ROWS = {
     "lr1e-3": ("dspark", ["train.lr=1e-3"], False, "the comparison bench"),
     "taps123": ("dspark", [], True, "the earlier default"),
     "kl": ("dspark_kl", [], False, "an ablation of the paper's L1"),
+    "top": ("dspark", ["train.init_layers=target_top"], False, "neither: random weights"),
 }
 # a CPU-sized batch; everything else is the config's train.* (the project's recipe)
 BENCH_DEFAULTS = ["train.global_batch=16", "train.micro_batch=8"]
