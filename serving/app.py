@@ -231,6 +231,7 @@ class SpeculativeEngine:
             sps=sps,
             max_batch=sc.max_batch,
             max_queue=sc.max_queue,
+            prefill_tokens=sc.prefill_tokens,
             static_len=sc.static_len,
             threshold=sc.threshold,
             calibration=start,

@@ -221,11 +221,82 @@ def test_errors_are_events_with_an_http_status(tgt, drafter):
             eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 100)
         with pytest.raises(ValueError, match="seed"):
             eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 8, 2**64)
+        with pytest.raises(ValueError, match="token id 4096 is not in the target's vocabulary of 4096"):
+            eng.submit([1, 4096], SamplingParams(0.0), 8)
         eng.decoder.runner.forward = None  # every prefill now fails inside the engine thread
         ev = drain(eng.submit(ids_of(tgt, "x"), SamplingParams(0.0), 8))[-1]
         assert isinstance(ev, Error) and ev.status == 500 and "prefill failed" in ev.message
         assert eng.state()["free_slots"] == 2
     finally:
+        eng.close()
+
+
+def test_waiting_requests_are_prefilled_together_and_a_failing_one_fails_alone(tgt, drafter):
+    """Requests waiting for free slots are prefilled in one target forward, up to `prefill_tokens` prompt
+    tokens (the first always; 0, the default: one per forward); when that forward fails each is prefilled
+    alone, and only the request that cannot be fails. The outputs are each request's own."""
+    eng = engine(tgt, drafter, max_batch=4, policy="none", prefill_tokens=2048)
+    dec = eng.decoder
+    batches, in_round, gate = [], threading.Event(), threading.Event()
+    add_many, step, forward = dec.add_many, dec.step, dec.runner.forward
+
+    def recording_add_many(reqs):
+        batches.append(len(reqs))
+        add_many(reqs)
+
+    def paused_step():  # the engine thread waits in its round until the test has queued what it needs
+        in_round.set()
+        gate.wait(60)
+        step()
+
+    poison = 4095  # a prompt ending with this id cannot be prefilled (a stand-in for any per-prompt failure)
+
+    def failing_forward(slots, tokens, last_only=False):
+        if last_only and any(int(t[-1]) == poison for t in tokens):
+            raise RuntimeError("this prompt cannot be prefilled")
+        return forward(slots, tokens, last_only)
+
+    dec.add_many, dec.step, dec.runner.forward = recording_add_many, paused_step, failing_forward
+    prompts = [ids_of(tgt, p) for p in ("def f(a, b):", "x = [", "import os\nprint(")]
+    assert all(p[-1] != poison for p in prompts)
+    try:
+
+        def queue_behind_a_round(ids):
+            """Each prompt's events, all of them queued while the engine's round waits."""
+            gate.clear()
+            in_round.clear()
+            long = eng.submit(ids_of(tgt, "while True:"), SamplingParams(0.0), 12)
+            assert in_round.wait(60)  # admitted alone; its first round now waits
+            streams = [eng.submit(p, SamplingParams(0.0), 12) for p in ids]
+            gate.set()
+            assert isinstance(drain(long)[-1], Done)
+            return [drain(s) for s in streams]
+
+        alone = []
+        for p in prompts:  # the references: each request alone
+            gate.set()
+            alone.append(text_of(drain(eng.submit(p, SamplingParams(0.0), 12))))
+        batches.clear()
+        assert [text_of(e) for e in queue_behind_a_round(prompts)] == alone
+        assert batches == [1, 3]  # the long request, then the three waiting ones in one forward
+        eng.prefill_tokens = len(prompts[0]) + len(prompts[1])
+        batches.clear()
+        assert [text_of(e) for e in queue_behind_a_round(prompts)] == alone
+        assert batches == [1, 2, 1]  # the token budget splits them; the first always goes
+        eng.prefill_tokens = 0  # the default: one prompt per forward
+        batches.clear()
+        assert [text_of(e) for e in queue_behind_a_round(prompts)] == alone
+        assert batches == [1, 1, 1, 1]
+        eng.prefill_tokens = 2048
+        batches.clear()
+        runs = queue_behind_a_round([prompts[0], prompts[1] + [poison], prompts[2]])
+        assert batches == [1, 3, 1, 1, 1]  # the shared forward failed: each alone
+        assert [text_of(runs[0]), text_of(runs[2])] == [alone[0], alone[2]]
+        ev = runs[1][-1]
+        assert isinstance(ev, Error) and ev.status == 500 and "cannot be prefilled" in ev.message
+        assert eng.state()["free_slots"] == 4 and eng.state()["waiting"] == 0
+    finally:
+        gate.set()
         eng.close()
 
 

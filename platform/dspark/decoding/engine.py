@@ -112,6 +112,7 @@ class Engine:
         max_len: int = 0,
         stop_ids: tuple[int, ...] = (),
         threads: int = 0,
+        prefill_tokens: int = 0,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy: {policy!r} not in {POLICIES}")
@@ -119,6 +120,7 @@ class Engine:
         if calibration is not None and drafting:
             calibration.check(gamma)
         self.tok = tokenizer
+        self.vocab_size = target_model.get_input_embeddings().num_embeddings
         self.stop_ids = tuple(stop_ids) or (tokenizer.eos_token_id,)  # every EOS id of the target
         self.sps = sps or SPSTable.synthetic("smooth")
         self.policy_name = policy
@@ -136,6 +138,7 @@ class Engine:
             max_len=max_len,
         )
         self.max_queue = max_queue
+        self.prefill_tokens = prefill_tokens  # prompt tokens one admission prefills together (see _admit)
         self.observer, self.metrics = observer, metrics
         self.waiting: deque[Stream] = deque()
         self.streams: dict[int, Stream] = {}  # id(req) -> stream, for active requests
@@ -169,6 +172,8 @@ class Engine:
         target and its k most likely tokens go out with the text. Raises ValueError or Overloaded."""
         if not prompt_ids:
             raise ValueError("prompt: at least one token is needed")
+        if bad := [t for t in prompt_ids if not 0 <= t < self.vocab_size]:
+            raise ValueError(f"prompt: token id {bad[0]} is not in the target's vocabulary of {self.vocab_size}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens: must be >= 1 (got {max_tokens})")
         if len(prompt_ids) + max_tokens > self.decoder.max_len:
@@ -282,22 +287,42 @@ class Engine:
             busy["emit"] += time.perf_counter() - t1
 
     def _admit(self) -> None:
+        """Prefill every waiting request that finds a free slot, before the next round. Up to
+        `prefill_tokens` prompt tokens go in one target forward (the first prompt always; 0: one prompt per
+        forward), which pays where a prefill costs about one pass over the weights (a GPU; short prompts);
+        if that forward fails, each of its requests is prefilled alone, so a request that cannot be fails by
+        itself (400 for what it asked, 500 otherwise) and no slot leaks."""
         dec = self.decoder
-        while dec.runner.free_slots:
+        while True:
             with self.lock:
-                if not self.waiting:
-                    return
-                s = self.waiting.popleft()
+                batch, tokens = [], 0
+                while self.waiting and len(batch) < len(dec.runner.free_slots):
+                    n = len(self.waiting[0].req.prompt)
+                    if batch and tokens + n > self.prefill_tokens:
+                        break
+                    batch.append(self.waiting.popleft())
+                    tokens += n
+            if not batch:
+                return
             try:
-                dec.add(s.req)  # frees what it took if it fails
-            except UserError as e:
-                s.fail(str(e), 400)
-                continue
-            except Exception as e:
-                s.fail(f"prefill failed: {type(e).__name__}: {e}", 500)
-                continue
-            self.streams[id(s.req)] = s
-            self._emit_or_fail(s)
+                dec.add_many([s.req for s in batch])  # frees what it took if it fails
+                admitted = batch
+            except Exception:
+                admitted = [s for s in batch if self._admit_alone(s)]
+            for s in admitted:
+                self.streams[id(s.req)] = s
+                self._emit_or_fail(s)
+
+    def _admit_alone(self, s: Stream) -> bool:
+        try:
+            self.decoder.add(s.req)
+        except UserError as e:
+            s.fail(str(e), 400)
+            return False
+        except Exception as e:
+            s.fail(f"prefill failed: {type(e).__name__}: {e}", 500)
+            return False
+        return True
 
     def _emit_or_fail(self, s: Stream) -> None:
         """A request whose output cannot be turned into text fails alone; the engine goes on."""
