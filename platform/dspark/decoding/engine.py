@@ -304,16 +304,22 @@ class Engine:
                     tokens += n
             if not batch:
                 return
-            try:
-                dec.add_many([s.req for s in batch])  # frees what it took if it fails
-                admitted = batch
-            except Exception:
-                admitted = [s for s in batch if self._admit_alone(s)]
+            together = len(batch) > 1 and self._admit_together(batch)
+            admitted = batch if together else [s for s in batch if self._admit_alone(s)]
             for s in admitted:
                 self.streams[id(s.req)] = s
                 self._emit_or_fail(s)
 
+    def _admit_together(self, batch: list[Stream]) -> bool:
+        """Prefill several requests in one forward; False: it failed and took nothing (each is tried alone)."""
+        try:
+            self.decoder.add_many([s.req for s in batch])  # frees what it took if it fails
+        except Exception:
+            return False
+        return True
+
     def _admit_alone(self, s: Stream) -> bool:
+        """Prefill one request; False: it failed (its stream got the error, its slot is free)."""
         try:
             self.decoder.add(s.req)
         except UserError as e:
