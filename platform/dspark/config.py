@@ -265,8 +265,9 @@ class ServeConfig(Section):
     max_queue: int = Field(32, ge=0)  # waiting requests per replica before 429
     # prompt tokens the engine prefills in one target forward when several requests wait for free slots
     # (the first prompt always; 0 = one prompt per forward). It pays where a prefill costs about one pass
-    # over the weights (GPUs, short prompts); on a 2-core CPU in float32 a chat prompt's prefill is
-    # compute-bound, and batching them only delays the first ones' first token (README, "Serving API")
+    # over the weights or a forward's fixed overhead (GPUs, short prompts, the built-in target); on a
+    # 2-core CPU in float32 a chat prompt's prefill is compute-bound, and batching delays the first
+    # prompts' first token (README, "Serving API")
     prefill_tokens: int = Field(0, ge=0)
     max_tokens_default: int = Field(128, ge=1)
     num_replicas: int = Field(1, ge=1)
