@@ -263,11 +263,12 @@ class ServeConfig(Section):
     # 0 = the target's max_position_embeddings. Longer requests get a 400 naming the limit.
     max_len: int = Field(4096, ge=0)
     max_queue: int = Field(32, ge=0)  # waiting requests per replica before 429
-    # prompt tokens the engine prefills in one target forward when several requests wait for free slots
-    # (the first prompt always; 0 = one prompt per forward). It pays where a prefill costs about one pass
-    # over the weights or a forward's fixed overhead (GPUs, short prompts, the built-in target); on a
-    # 2-core CPU in float32 a chat prompt's prefill is compute-bound, and batching delays the first
-    # prompts' first token (README, "Serving API")
+    # prompt tokens, counted as the number of prompts times the longest (attention pads to it), the engine
+    # prefills in one target forward when several requests wait for free slots (the first prompt always;
+    # 0 = one prompt per forward). It pays where a prefill costs about one pass over the weights or a
+    # forward's fixed overhead (GPUs, short prompts, the built-in target); on a 2-core CPU in float32 a
+    # chat prompt's prefill is compute-bound, and batching delays the first prompts' first token (README,
+    # "Serving API")
     prefill_tokens: int = Field(0, ge=0)
     max_tokens_default: int = Field(128, ge=1)
     num_replicas: int = Field(1, ge=1)

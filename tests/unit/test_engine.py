@@ -233,8 +233,9 @@ def test_errors_are_events_with_an_http_status(tgt, drafter):
 
 def test_waiting_requests_are_prefilled_together_and_a_failing_one_fails_alone(tgt, drafter):
     """Requests waiting for free slots are prefilled in one target forward, up to `prefill_tokens` prompt
-    tokens (the first always; 0, the default: one per forward); when that forward fails each is prefilled
-    alone, and only the request that cannot be fails. The outputs are each request's own."""
+    tokens padded to the longest (the first always; 0, the default: one per forward); when that forward
+    fails each is prefilled alone, and only the request that cannot be fails. The outputs are each
+    request's own."""
     eng = engine(tgt, drafter, max_batch=4, policy="none", prefill_tokens=2048)
     dec = eng.decoder
     batches, in_round, gate = [], threading.Event(), threading.Event()
@@ -279,7 +280,7 @@ def test_waiting_requests_are_prefilled_together_and_a_failing_one_fails_alone(t
         batches.clear()
         assert [text_of(e) for e in queue_behind_a_round(prompts)] == alone
         assert batches == [1, 3]  # the long request, then the three waiting ones in one forward
-        eng.prefill_tokens = len(prompts[0]) + len(prompts[1])
+        eng.prefill_tokens = 2 * max(len(prompts[0]), len(prompts[1]))  # two prompts padded to the longer
         batches.clear()
         assert [text_of(e) for e in queue_behind_a_round(prompts)] == alone
         assert batches == [1, 2, 1]  # the token budget splits them; the first always goes

@@ -287,21 +287,22 @@ class Engine:
             busy["emit"] += time.perf_counter() - t1
 
     def _admit(self) -> None:
-        """Prefill every waiting request that finds a free slot, before the next round. Up to
-        `prefill_tokens` prompt tokens go in one target forward (the first prompt always; 0: one prompt per
-        forward), which pays where a prefill costs about one pass over the weights (a GPU; short prompts);
+        """Prefill every waiting request that finds a free slot, before the next round. Prompts go in one
+        target forward while their number times the longest is at most `prefill_tokens` (the first prompt
+        always; 0: one prompt per forward), which pays where a prefill costs about one pass over the weights
+        or a forward's fixed overhead (a GPU; short prompts; a small target);
         if that forward fails, each of its requests is prefilled alone, so a request that cannot be fails by
         itself (400 for what it asked, 500 otherwise) and no slot leaks."""
         dec = self.decoder
         while True:
             with self.lock:
-                batch, tokens = [], 0
+                batch, longest = [], 0
                 while self.waiting and len(batch) < len(dec.runner.free_slots):
-                    n = len(self.waiting[0].req.prompt)
-                    if batch and tokens + n > self.prefill_tokens:
+                    n = max(longest, len(self.waiting[0].req.prompt))
+                    if batch and (len(batch) + 1) * n > self.prefill_tokens:  # attention pads to the longest
                         break
                     batch.append(self.waiting.popleft())
-                    tokens += n
+                    longest = n
             if not batch:
                 return
             together = len(batch) > 1 and self._admit_together(batch)

@@ -168,14 +168,18 @@ class SpeculativeDecoder:
                 for req, f, t in zip(reqs, firsts, out.taps):
                     req.state = self.draft_cache.state(req.slot)
                     req.defer(t, req.prompt[1:] + [f])
-        except BaseException:
+            lps = [
+                token_logprobs(x, [f], r.logprobs) if r.logprobs >= 0 else None
+                for r, f, x in zip(reqs, firsts, out.logits)
+            ]
+        except BaseException:  # after this block only bookkeeping: a failed prefill took nothing (a retry may follow)
             for req in reqs:
                 self._release(req)
             raise
         dt = (time.perf_counter() - t0) / len(reqs)
-        for req, first, x in zip(reqs, firsts, out.logits):
+        for req, first, lp in zip(reqs, firsts, lps):
             req.prefill_s += dt
-            self._commit(req, [first], token_logprobs(x, [first], req.logprobs) if req.logprobs >= 0 else None)
+            self._commit(req, [first], lp)
             if not req.done:
                 self.active.append(req)
         # in slot order: the runner's forward reads a sorted batch's KV slots in place (see runner.forward)
