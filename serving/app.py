@@ -347,7 +347,7 @@ class SpeculativeEngine:
 
 
 # The ingress calls the engine over Serve's direct gRPC channel with plain pickle (its events are plain
-# dataclasses), not through Ray object references: fewer CPU per streamed message (README, serving figures).
+# dataclasses), not through Ray object references: fewer CPU per streamed message (docs/serving.md).
 STREAM = {"stream": True, "_by_reference": False, "request_serialization": "pickle", "response_serialization": "pickle"}
 OPEN_PATHS = ("/health",)  # every other route needs the key when serve.api_key is set
 UNAVAILABLE = (RayActorError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError)

@@ -267,8 +267,8 @@ class ServeConfig(Section):
     # prefills in one target forward when several requests wait for free slots (the first prompt always;
     # 0 = one prompt per forward). It pays where a prefill costs about one pass over the weights or a
     # forward's fixed overhead (GPUs, short prompts, the built-in target); on a 2-core CPU in float32 a
-    # chat prompt's prefill is compute-bound, and batching delays the first prompts' first token (README,
-    # "Serving API")
+    # chat prompt's prefill is compute-bound, and batching delays the first prompts' first token
+    # (docs/serving.md, "Engine threads, streaming and prefill")
     prefill_tokens: int = Field(0, ge=0)
     max_tokens_default: int = Field(128, ge=1)
     num_replicas: int = Field(1, ge=1)
