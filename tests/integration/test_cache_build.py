@@ -213,7 +213,8 @@ def tiny_llama(tmp_path_factory):
 def test_jsonl_conversations_from_s3_on_a_tiny_llama(ray_driver, tiny_llama):
     """cache.sources = a JSONL file on s3:// in two formats, one conversation multi-turn: one row per
     assistant turn, each prompt the target's chat template over the conversation so far with the
-    target's own earlier answers, each answer ending at its first EOS (pad == EOS)."""
+    target's own earlier answers, each answer ending at its first EOS (pad == EOS). A prompt longer than the
+    target's context (512 positions) is skipped and counted, and the build goes on."""
     records = [
         {"turns": ["Write a loop.", "Now in reverse."]},
         {
@@ -224,6 +225,7 @@ def test_jsonl_conversations_from_s3_on_a_tiny_llama(ray_driver, tiny_llama):
             ]
         },
         {"prompt": "Bye"},
+        {"prompt": "long " * 600},
     ]
     text = "\n".join(json.dumps(r) for r in records) + "\n"
     storage = Storage.from_config(load_config().storage)
@@ -239,7 +241,10 @@ def test_jsonl_conversations_from_s3_on_a_tiny_llama(ray_driver, tiny_llama):
         "cache.temperature=1.0",
         "cache.layers=[1,3]",
     )
-    m = build_cache(cfg)
+    logs = []
+    m = build_cache(cfg, log_fn=logs.append)
+    assert m.skipped_turns == 1 and [s.skipped_turns for s in m.shards] == [0, 1]
+    assert "1 turns skipped: their prompts leave no room in the target's context" in logs[-1]
     assert m.rows == 4 and len(m.shards) == 2 and m.layers == [1, 3] and m.hidden_size == TINY["hidden_size"]
     tok = targets.tokenizer_from_config(cfg.target)
     eos = tok.eos_token_id
@@ -247,7 +252,7 @@ def test_jsonl_conversations_from_s3_on_a_tiny_llama(ray_driver, tiny_llama):
     rows = dataset(open_cache(cache_uri(cfg), storage)).to_pandas().set_index("seq_id")
     assert sorted(rows.index) == ["chats:1", "chats:1/turn2", "chats:2", "chats:3"]
     answers = {}
-    for conv in parse_jsonl(text, "chats.jsonl", "chats")[0]:
+    for conv in parse_jsonl(text, "chats.jsonl", "chats")[0][:3]:
         for t in range(len(conv.turns)):
             row = rows.loc[conv.conv_id if t == 0 else f"{conv.conv_id}/turn{t + 1}"]
             ids, mask = list(row["input_ids"]), list(row["loss_mask"])

@@ -181,6 +181,25 @@ def test_last_turn_can_be_rendered_without_an_answer():
     assert [r for _, r in turns[0]] == [[5, tok.eos_token_id], []] and model.answers == []
 
 
+def test_a_conversation_ends_before_a_turn_too_long_for_the_targets_context():
+    """With max_len (the target's context), a turn whose prompt leaves no room for an answer is not asked,
+    nor any turn after it: the conversation keeps the turns before (none if its first turn is that long)."""
+    tok = targets.tokenizer_for("builtin")
+    long = " ".join(["word"] * 60)
+    convs = [
+        Conversation("s:1", "s", ("first", long, "third")),  # ends after its first turn
+        Conversation("s:2", "s", (long,)),  # no turn fits
+        Conversation("s:3", "s", ("short", "again")),
+    ]
+    fits = len(chat_ids(tok, [{"role": "user", "content": "short"}]))
+    assert len(chat_ids(tok, [{"role": "user", "content": long}])) > 40 > fits + 10
+    model = Scripted([[5, tok.eos_token_id], [6, tok.eos_token_id], [7]], pad=tok.pad_token_id)
+    turns = regenerate(model, tok, convs, load_config().cache, 0, max_len=40)
+    assert [[r for _, r in ts] for ts in turns] == [[[5, tok.eos_token_id]], [], [[6, tok.eos_token_id], [7]]]
+    assert model.answers == [] and all(len(p) < 40 for p in model.prompts)
+    assert turn_rows(convs, turns)[0] == ["s:1", "s:3", "s:3/turn2"]
+
+
 def test_smollm2_cache_rows_use_its_chat_template_and_keep_eos(smollm2_tokenizer):
     tok = smollm2_tokenizer
     end = tok.convert_tokens_to_ids("<|im_end|>")

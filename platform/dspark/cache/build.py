@@ -53,6 +53,7 @@ from dspark.storage import Storage
 from dspark.target.taps import extract, resolve_layers
 
 log = logging.getLogger(__name__)
+TOO_LONG = "skipped: their prompts leave no room in the target's context"
 
 # the manifest fields that a shard's content depends on (with which examples it holds)
 BUILD_KEYS = ("target", "tokenizer_sha256", "layers", "hidden_size", "codec", "generation", "corpus_sha256")
@@ -81,6 +82,7 @@ class ShardBuilder:
         self.cfg, self.cache_uri, self.layers, self.storage, self.settings = cfg, cache_uri, layers, storage, settings
         self.tgt = targets.load_from_config(cfg.target)
         self.tok = self.tgt.tokenizer
+        self.max_len = getattr(self.tgt.model.config, "max_position_embeddings", 0) or 0  # the target's context
 
     def __call__(self, batch: dict) -> dict:
         out: dict[str, list] = {k: [] for k in ("shard_id", "stats", "seconds")}
@@ -106,13 +108,15 @@ class ShardBuilder:
                 self.tgt.eos_token_ids,
                 self.cfg.target.chat_template_kwargs,
                 progress=bar.update,
+                max_len=self.max_len,
             )
         finally:
             bar.close()
+        skipped = sum(len(c.turns) for c in convs) - sum(len(ts) for ts in turns)
         cols = make_rows(self.tgt.model, self.layers, cc.codec, *turn_rows(convs, turns))
         fs, root = self.storage.pyarrow_fs(self.cache_uri)
-        stats = publish_shard(fs, root, shard_id, cols, shard_record(self.settings, [c.conv_id for c in convs]))
-        return asdict(stats)
+        record = shard_record(self.settings, [c.conv_id for c in convs])
+        return asdict(publish_shard(fs, root, shard_id, cols, record, skipped))
 
 
 def settings_of(m: Manifest) -> dict:
@@ -126,17 +130,27 @@ def shard_record(settings: dict, seq_ids: list[str]) -> dict:
 
 
 def publish_shard(
-    fs: pafs.FileSystem, root: str, shard_id: int, cols: dict[str, list], built_with: dict | None = None
+    fs: pafs.FileSystem,
+    root: str,
+    shard_id: int,
+    cols: dict[str, list],
+    built_with: dict | None = None,
+    skipped_turns: int = 0,
 ) -> ShardStats:
     """Write one shard (then its sidecar: stats and the `built_with` record), each atomically. A shard
-    without a record (None: a hand-made cache) is never reused by a resumed build."""
+    without a record (None: a hand-made cache) is never reused by a resumed build. `skipped_turns`: the user
+    turns of its conversations that were not answered (their prompt did not fit the target's context)."""
     buf = io.BytesIO()
     rows = len(cols["seq_id"])
     pq.write_table(pa.table(cols, schema=SCHEMA), buf, row_group_size=max(1, min(64, rows)), **PARQUET_OPTIONS)
     data = buf.getvalue()
     tokens, response_tokens = sum(cols["num_tokens"]), sum(int(sum(m)) for m in cols["loss_mask"])
     return _publish(
-        fs, root, ShardStats(shard_id, shard_name(shard_id), rows, tokens, response_tokens, 0, ""), data, built_with
+        fs,
+        root,
+        ShardStats(shard_id, shard_name(shard_id), rows, tokens, response_tokens, 0, "", skipped_turns),
+        data,
+        built_with,
     )
 
 
@@ -159,18 +173,25 @@ def regenerate(
     chat_template_kwargs: dict | None = None,
     answer_last: bool = True,
     progress: Callable[[int], object] | None = None,
+    max_len: int = 0,
 ) -> list[list[tuple[list[int], list[int]]]]:
     """The target answers the conversations itself, the paper's protocol: user turn t is rendered with the
     target's chat template after the target's own answers to turns 1..t-1, then answered; batched over the
     conversations turn by turn. Per conversation and turn: (prompt ids, response ids ending at its first EOS);
     with answer_last=False the last turn's prompt is rendered but not answered (its response is []).
-    `progress(n)` is called as n more answers are generated."""
+    `progress(n)` is called as n more answers are generated. With `max_len` (the target's context), a
+    conversation ends before the first turn whose prompt leaves no room for an answer: that turn and the
+    ones after it are not answered and have no entry (a first turn that long: the conversation has none)."""
     eos = tuple(eos_ids) or (tok.eos_token_id,)
     answers: list[list[str]] = [[] for _ in convs]
     out: list[list[tuple[list[int], list[int]]]] = [[] for _ in convs]
+    ended: set[int] = set()
     for t in range(max((len(c.turns) for c in convs), default=0)):
-        live = [i for i, c in enumerate(convs) if t < len(c.turns)]
+        live = [i for i, c in enumerate(convs) if t < len(c.turns) and i not in ended]
         prompts = [chat_ids(tok, convs[i].messages(answers[i]), True, chat_template_kwargs) for i in live]
+        if max_len:
+            ended |= {i for i, p in zip(live, prompts) if len(p) >= max_len}
+            live, prompts = [i for i in live if i not in ended], [p for p in prompts if len(p) < max_len]
         ask = [k for k, i in enumerate(live) if answer_last or t < len(convs[i].turns) - 1]
         asked = [prompts[k] for k in ask]
         answered = generate(model, asked, cc, eos, tok.pad_token_id, progress, hash((seed, t))) if ask else []
@@ -430,6 +451,7 @@ def build_cache(cfg: Config, tracker=None, log_fn=print) -> Manifest:
     log_fn(
         f"[cache] published {uri}/{MANIFEST}: {manifest.rows} rows, {manifest.tokens:,} tokens, "
         f"{manifest.bytes / 2**20:.1f} MiB ({manifest.bytes / max(manifest.tokens, 1):,.0f} bytes/token)"
+        + (f"; {manifest.skipped_turns} turns {TOO_LONG}" if manifest.skipped_turns else "")
     )
     return manifest
 
@@ -478,6 +500,7 @@ def _build_shards(
             f"[cache] shard {s.shard_id:5d} ({len(stats)}/{len(shards)}): {s.rows} rows, {s.tokens:,} tokens, "
             f"{s.bytes / 2**20:.1f} MiB in {row['seconds']:.1f}s | total {rows / dt:.2f} rows/s, "
             f"{tokens / dt:,.0f} tokens/s, {nbytes / 2**20:.1f} MiB written"
+            + (f"; {s.skipped_turns} turns {TOO_LONG}" if s.skipped_turns else "")
         )
         if tracker:
             tracker.metrics(
@@ -576,7 +599,7 @@ def transcode(srcs: list[Cache], dst_uri: str, codec: str, layers: list[int] | N
                 feats.append(codecs.encode(dec["features"][r, :n][:, keep], codec))
                 last.append(codecs.encode(dec["last_hidden"][r, :n], codec))
             rows["features"], rows["last_hidden"] = feats, last
-            stats[i] = publish_shard(fs, root, i, rows, want[i])
+            stats[i] = publish_shard(fs, root, i, rows, want[i], s.skipped_turns)
             log_fn(f"[cache] transcoded {src.shard_uri(s)}: {s.bytes / 2**20:.1f} -> {stats[i].bytes / 2**20:.1f} MiB")
         out.shards = [stats[i] for i in range(len(todo))]
         lock.check()

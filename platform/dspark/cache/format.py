@@ -77,6 +77,7 @@ class ShardStats:
     response_tokens: int
     bytes: int
     sha256: str
+    skipped_turns: int = 0  # user turns not answered: their prompt left no room in the target's context
 
 
 @dataclass
@@ -104,6 +105,10 @@ class Manifest:
     def bytes(self) -> int:
         return sum(s.bytes for s in self.shards)
 
+    @property
+    def skipped_turns(self) -> int:
+        return sum(s.skipped_turns for s in self.shards)
+
     def to_json(self) -> str:
         d = asdict(self)
         d["schema"] = {f.name: str(f.type) for f in SCHEMA}
@@ -112,6 +117,7 @@ class Manifest:
             "tokens": self.tokens,
             "bytes": self.bytes,
             "bytes_per_token": self.bytes / max(self.tokens, 1),
+            "skipped_turns": self.skipped_turns,
         }
         return json.dumps(d, indent=2) + "\n"
 
