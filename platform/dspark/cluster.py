@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psutil
 
-from dspark.services import free_port
+from dspark.services import RAY_ENV_DEFAULTS, free_port
 
 
 def runtime_env() -> dict:
@@ -46,6 +46,8 @@ def init_ray(cfg) -> None:
     if address:
         ray.init(address=address, **kwargs)
         return
+    for k, v in RAY_ENV_DEFAULTS.items():  # the local Ray's processes inherit this environment
+        os.environ.setdefault(k, v)
     # "local": a new Ray, even when `ray start` has recorded another one on this machine (ray.init() joins
     # it). Its workers must reach ITS state API: Ray Train's placement-group cleaner asks it every second
     # whether the run's controller is alive, and a worker without an address finds the latest `ray start`

@@ -37,6 +37,10 @@ from dspark.errors import UserError
 
 DEFAULT_DIR = LOCAL_DIR / "services"
 BUCKET = "dspark"
+# The Ray processes this project starts (a local Ray, the head) get these unless the environment sets them.
+# Serve's controller gives a new HTTP proxy 3 readiness checks of 5 s and then kills it, and serve.start
+# fails with ActorDiedError: on 2 cores beside a training run the proxy took longer than that to start.
+RAY_ENV_DEFAULTS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
 
 
 _HANDED_OUT: set[int] = set()  # ports this process already gave to a service
@@ -429,7 +433,8 @@ class RayHead(Service):
     def process_env(self):
         # a job's `python` is resolved on the head's PATH: put this environment's first
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        return {**self.job_env(), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PATH": path}
+        env = {**self.job_env(), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PATH": path}
+        return {**env, **{k: os.environ.get(k, v) for k, v in RAY_ENV_DEFAULTS.items()}}
 
     def stale(self, st: ServiceState) -> bool:
         """Whether the running head lacks the current job_env (it was started before the object

@@ -32,6 +32,14 @@ def test_ray_head_passes_the_object_store_settings_to_its_jobs(tmp_path):
     assert START_ORDER.index("objectstore") < START_ORDER.index("ray")
 
 
+def test_the_ray_processes_wait_longer_for_a_proxy_unless_told_otherwise(tmp_path, monkeypatch):
+    """Serve's default gives a new HTTP proxy 15 s before killing it, which a busy 2-core machine missed."""
+    monkeypatch.delenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", raising=False)
+    assert RayHead(tmp_path).process_env()["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "30"
+    monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "7")
+    assert RayHead(tmp_path).process_env()["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "7"
+
+
 def test_a_head_started_without_those_settings_is_stale(tmp_path):
     head = RayHead(tmp_path)
     _running_object_store(tmp_path)
