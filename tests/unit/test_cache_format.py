@@ -15,7 +15,7 @@ import torch
 from dspark import target as targets
 from dspark.cache import codec as codecs
 from dspark.cache.build import build_cache, make_rows, publish_shard, regenerate, transcode, turn_rows
-from dspark.cache.format import MANIFEST, Manifest, estimate_bytes
+from dspark.cache.format import MANIFEST, SCHEMA, Manifest, estimate_bytes
 from dspark.cache.lock import CacheLock
 from dspark.cache.read import CacheError, check_shards, decode_batch, iter_local, open_cache
 from dspark.config import load_config
@@ -287,6 +287,21 @@ def test_caches_built_alike_join_into_one_whose_shards_are_theirs(built, tmp_pat
 
     small = transcode(srcs, str(tmp_path / "small"), "fp8", [1, 3], log_fn=logged.append)
     assert small.rows == 12 and open_cache(str(tmp_path / "small"), Storage()).manifest.layers == [1, 3]
+
+
+def test_a_shard_whose_turns_were_all_skipped_reads_and_transcodes(built, tmp_path):
+    """Every turn of a shard's conversations too long for the target: an empty shard, counted in the manifest,
+    that a read passes over and a transcode to another codec and tap set keeps."""
+    _, _, _, roots = built
+    root = shutil.copytree(roots["bf16"], tmp_path / "with-empty")
+    m = open_cache(str(root), Storage()).manifest
+    m.shards.append(publish_shard(pafs.LocalFileSystem(), str(root), 2, {f.name: [] for f in SCHEMA}, None, 3))
+    (root / MANIFEST).write_text(m.to_json())
+    cache = open_cache(str(root), Storage())
+    assert cache.manifest.skipped_turns == 3 and cache.manifest.rows == 6
+    assert sum(len(b["input_ids"]) for b in iter_local(cache, batch_size=4)) == 6
+    small = transcode([cache], str(tmp_path / "small"), "fp8", [1, 3], log_fn=lambda _: None)
+    assert small.rows == 6 and small.skipped_turns == 3 and [s.rows for s in small.shards] == [3, 3, 0]
 
 
 def _resampled(root: str, dst, **generation) -> str:

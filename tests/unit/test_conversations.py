@@ -132,9 +132,10 @@ class Scripted(torch.nn.Module):
     def __init__(self, answers, pad):
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(1))
-        self.answers, self.pad, self.prompts = list(answers), pad, []
+        self.answers, self.pad, self.prompts, self.max_new_tokens = list(answers), pad, [], []
 
     def generate(self, input_ids, attention_mask, max_new_tokens, **kw):
+        self.max_new_tokens.append(max_new_tokens)
         rows = []
         for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
             self.prompts.append([t for t, m in zip(ids, mask) if m])
@@ -194,10 +195,19 @@ def test_a_conversation_ends_before_a_turn_too_long_for_the_targets_context():
     fits = len(chat_ids(tok, [{"role": "user", "content": "short"}]))
     assert len(chat_ids(tok, [{"role": "user", "content": long}])) > 40 > fits + 10
     model = Scripted([[5, tok.eos_token_id], [6, tok.eos_token_id], [7]], pad=tok.pad_token_id)
-    turns = regenerate(model, tok, convs, load_config().cache, 0, max_len=40)
+    cc = load_config().cache
+    turns = regenerate(model, tok, convs, cc, 0, max_len=40)
     assert [[r for _, r in ts] for ts in turns] == [[[5, tok.eos_token_id]], [], [[6, tok.eos_token_id], [7]]]
     assert model.answers == [] and all(len(p) < 40 for p in model.prompts)
     assert turn_rows(convs, turns)[0] == ["s:1", "s:3", "s:3/turn2"]
+    # each batch's answers stop where its longest prompt meets the context (HF generation would go on)
+    widths = [max(len(model.prompts[0]), len(model.prompts[1])), len(model.prompts[2])]
+    assert model.max_new_tokens == [min(cc.max_new_tokens, 40 - w) for w in widths]
+    # the edge: a prompt of exactly max_len tokens leaves no room, one token less leaves one
+    for room, answered in ((0, []), (1, [[8]])):
+        model = Scripted([[8]], pad=tok.pad_token_id)
+        turns = regenerate(model, tok, [Conversation("s:4", "s", ("short",))], cc, 0, max_len=fits + room)
+        assert [r for _, r in turns[0]] == answered and model.max_new_tokens == ([1] if room else [])
 
 
 def test_smollm2_cache_rows_use_its_chat_template_and_keep_eos(smollm2_tokenizer):

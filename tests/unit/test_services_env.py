@@ -6,7 +6,10 @@ import os
 import subprocess
 import sys
 
-from dspark.config import LOCAL_DIR, REPO_ROOT
+import ray
+
+from dspark import cluster
+from dspark.config import LOCAL_DIR, REPO_ROOT, load_config
 from dspark.services import START_ORDER, RayHead, ServiceState, process_started
 
 STORE_ENV = {
@@ -38,6 +41,16 @@ def test_the_ray_processes_wait_longer_for_a_proxy_unless_told_otherwise(tmp_pat
     assert RayHead(tmp_path).process_env()["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "30"
     monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "7")
     assert RayHead(tmp_path).process_env()["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "7"
+    # a local Ray's processes inherit the driver's environment as ray.init finds it
+    monkeypatch.delenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a local Ray, not a cluster's
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    seen = []
+    monkeypatch.setattr(
+        cluster, "_start_local", lambda start: seen.append(os.environ.get("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"))
+    )
+    cluster.init_ray(load_config())
+    assert seen == ["30"]
 
 
 def test_a_head_started_without_those_settings_is_stale(tmp_path):

@@ -15,7 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def dry_run(tmp_path, **env) -> list[list[str]]:
     out = subprocess.run(
         ["bash", str(ROOT / "bench/smollm2_drafter.sh")],
-        env={**os.environ, "DRY": "1", "ROOT": str(tmp_path / "store"), "OUT": str(tmp_path / "out"), **env},
+        env={
+            **os.environ,
+            **{"DRY": "1", "ROOT": str(tmp_path / "store"), "OUT": str(tmp_path / "out"), "PY": "python"},
+            **{"EXAMPLES": "0", "STEPS_SCALE": "1", "PROMPTS": "12", **env},  # the defaults, whatever the shell says
+        },
         capture_output=True,
         text=True,
         check=True,
@@ -36,21 +40,22 @@ def options(cmd: list[str]) -> tuple[dict[str, str], list[str]]:
 
 def test_the_chain_builds_what_each_stage_reads_with_valid_settings(tmp_path):
     cmds = dry_run(tmp_path)
-    caches, stages, steps, seeds = set(), [], {}, []
+    caches, stages, steps, seeds, trained_on = [], [], {}, [], ""
     for cmd in cmds:
         script = cmd[1]
         assert (ROOT / script).is_file(), script
         opts, sets = options(cmd)
         cfg = load_config(ROOT / opts["--config"], sets)  # raises on an unknown key or a bad value
         if script == "jobs/build_cache.py":
-            if cfg.cache.source_uri:  # a join: both parts exist already
-                assert all(Path(u).name in caches for u in cfg.cache.source_uri), cmd
+            if cfg.cache.source_uri:  # a join grows the cache trained on last by the answers built just now
+                assert [Path(u).name for u in cfg.cache.source_uri] == [trained_on, caches[-1]], cmd
             else:
                 assert all((ROOT / s).is_file() for s in cfg.cache.sources), cfg.cache.sources
                 seeds.append((Path(cfg.cache.sources[0]).stem, cfg.cache.seed))
-            caches.add(cfg.cache.name)
+            caches.append(cfg.cache.name)
         elif script == "bench/drafter_comparison.py":
-            assert Path(opts["--cache"]).name in caches, cmd
+            trained_on = Path(opts["--cache"]).name
+            assert trained_on == caches[-1], cmd  # the cache made just before
             warm = cfg.train.warm_start
             assert (warm == "") == (not stages), cmd  # the first stage alone starts from the target
             if stages:

@@ -113,6 +113,7 @@ class ShardBuilder:
         finally:
             bar.close()
         skipped = sum(len(c.turns) for c in convs) - sum(len(ts) for ts in turns)
+        bar.update(skipped)
         cols = make_rows(self.tgt.model, self.layers, cc.codec, *turn_rows(convs, turns))
         fs, root = self.storage.pyarrow_fs(self.cache_uri)
         record = shard_record(self.settings, [c.conv_id for c in convs])
@@ -194,7 +195,7 @@ def regenerate(
             live, prompts = [i for i in live if i not in ended], [p for p in prompts if len(p) < max_len]
         ask = [k for k, i in enumerate(live) if answer_last or t < len(convs[i].turns) - 1]
         asked = [prompts[k] for k in ask]
-        answered = generate(model, asked, cc, eos, tok.pad_token_id, progress, hash((seed, t))) if ask else []
+        answered = generate(model, asked, cc, eos, tok.pad_token_id, progress, hash((seed, t)), max_len) if ask else []
         responses = dict(zip(ask, answered))
         for k, (i, p) in enumerate(zip(live, prompts)):
             out[i].append((p, responses.get(k, [])))
@@ -210,25 +211,26 @@ def generate(
     pad: int,
     progress: Callable[[int], object] | None = None,
     seed: int = 0,
+    max_len: int = 0,
 ) -> list[list[int]]:
     """Responses to token-id prompts with the configured sampling (`cc` is a CacheConfig), each ending at its
     first EOS (kept) or after cc.max_new_tokens; progress(n) as n more are done. A target of a family the
     decoding runner runs is decoded there (continuous batching over cc.batch_size KV slots, answer i sampled
     with its own generator seeded by (seed, i): the same answer in any batch; SmolLM2 in float32, 16 prompts
     of 128 tokens on 2 threads: 27.9 tok/s against 22.7 for HF generation, the built-in target: equal), any
-    other model by HF generation."""
+    other model by HF generation, whose answers end where `max_len` (the target's context) does."""
     if not prompts:
         return []
     try:
         family(model.config)
     except (AttributeError, UserError):
-        return hf_generate(model, prompts, cc, eos, pad, progress, seed)
+        return hf_generate(model, prompts, cc, eos, pad, progress, seed, max_len)
     longest = max(len(p) for p in prompts) + cc.max_new_tokens + 1
     dec = SpeculativeDecoder(model, None, max_slots=min(cc.batch_size, len(prompts)), capacity=longest)
     sp = SamplingParams(cc.temperature, cc.top_p, cc.top_k)
     reqs = []
     for i, p in enumerate(prompts):
-        room = dec.max_len - len(p)  # the answer is cut where the target's context ends, as HF generation's
+        room = dec.max_len - len(p)  # the answer is cut where the target's context ends (as in hf_generate)
         if room < 1:
             raise UserError(f"a prompt of {len(p)} tokens leaves no room in the target's {dec.max_len}-token context")
         reqs.append(Request(p, sp, min(cc.max_new_tokens, room), hash((seed, i)) & (2**63 - 1), eos))
@@ -236,8 +238,9 @@ def generate(
 
 
 @torch.no_grad()
-def hf_generate(model, prompts, cc, eos, pad, progress, seed) -> list[list[int]]:
-    """`generate` (same arguments) by batched, left-padded, KV-cached HF generation, cc.batch_size at a time."""
+def hf_generate(model, prompts, cc, eos, pad, progress, seed, max_len: int = 0) -> list[list[int]]:
+    """`generate` (same arguments) by batched, left-padded, KV-cached HF generation, cc.batch_size at a time;
+    with `max_len`, a batch's answers stop where its longest prompt reaches it (HF itself would go on)."""
     torch.manual_seed(seed & (2**63 - 1))
     device = next(model.parameters()).device
     sampling = (
@@ -257,7 +260,7 @@ def hf_generate(model, prompts, cc, eos, pad, progress, seed) -> list[list[int]]
         gen = model.generate(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
-            max_new_tokens=cc.max_new_tokens,
+            max_new_tokens=min(cc.max_new_tokens, max_len - width) if max_len else cc.max_new_tokens,
             eos_token_id=list(eos),
             pad_token_id=pad,
             **sampling,
@@ -587,7 +590,7 @@ def transcode(srcs: list[Cache], dst_uri: str, codec: str, layers: list[int] | N
         for i, (src, s) in enumerate(todo):
             if i in stats:
                 continue
-            if copy:
+            if copy or not s.rows:  # an empty shard (every turn skipped) has nothing to re-encode
                 stats[i] = _publish(fs, root, replace(s, shard_id=i, file=shard_name(i)), shard_bytes(src, s), want[i])
                 log_fn(f"[cache] copied {src.shard_uri(s)} as {shard_name(i)}")
                 continue

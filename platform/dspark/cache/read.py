@@ -191,7 +191,7 @@ def _read_blocks(batch: pa.Table, cache: Cache, blocks: int):
         s = by_file[file]
         pf = read_shard(cache, s)
         if blocks:
-            table, step = pf.read(), -(-s.rows // blocks)  # ceil(rows / blocks)
+            table, step = pf.read(), max(1, -(-s.rows // blocks))  # ceil(rows / blocks); a shard may be empty
             parts = (table.slice(i, step) for i in range(0, s.rows, step))
         else:
             parts = (pf.read_row_group(i) for i in range(pf.num_row_groups))
