@@ -110,10 +110,10 @@ class ShardBuilder:
                 progress=bar.update,
                 max_len=self.max_len,
             )
+            skipped = sum(len(c.turns) for c in convs) - sum(len(ts) for ts in turns)
+            bar.update(skipped)  # turns that did not fit the target's context: done, unanswered
         finally:
             bar.close()
-        skipped = sum(len(c.turns) for c in convs) - sum(len(ts) for ts in turns)
-        bar.update(skipped)
         cols = make_rows(self.tgt.model, self.layers, cc.codec, *turn_rows(convs, turns))
         fs, root = self.storage.pyarrow_fs(self.cache_uri)
         record = shard_record(self.settings, [c.conv_id for c in convs])
