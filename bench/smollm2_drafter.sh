@@ -16,7 +16,9 @@
 # Rerunning skips what is finished: a cache with its manifest, a stage with its drafter (a cache build that
 # was stopped resumes from its finished shards; a stopped training stage starts over).
 # Sizes: EXAMPLES conversations per training source (0 = all), STEPS_SCALE multiplies every stage's steps,
-# PROMPTS per evaluation set. ROOT is the storage root the caches go under, OUT the drafters' and results'.
+# PROMPTS per evaluation set. ROOT is the storage root the caches go under (a folder, or s3://BUCKET/PREFIX
+# with the store's endpoint in the environment: a rerun then asks the build, which skips published shards),
+# OUT the drafters' and results' folder. Bash 3.2 or later.
 # DRY=1 prints the commands instead of running them (tests/unit/test_smollm2_drafter.py checks the chain).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,14 +43,14 @@ run() { if [[ -n ${DRY:-} ]]; then printf '%q ' "$@" && echo; else "$@"; fi; }
 build() {
     [[ -f $ROOT/caches/$1/manifest.json ]] && return
     run "$PY" jobs/build_cache.py "${C[@]}" "${CACHE[@]}" --set "cache.name=$1" --set "cache.sources=$2" \
-        --set "cache.seed=$3" "${USER_SETS[@]}"
+        --set "cache.seed=$3" ${USER_SETS[@]+"${USER_SETS[@]}"}
     stamp "cache $1"
 }
 # join_caches NAME A B: caches A and B as one (their shards copied; no target)
 join_caches() {
     [[ -f $ROOT/caches/$1/manifest.json ]] && return
     run "$PY" jobs/build_cache.py "${C[@]}" --set "cache.name=$1" \
-        --set "cache.source_uri=[$ROOT/caches/$2,$ROOT/caches/$3]" "${USER_SETS[@]}"
+        --set "cache.source_uri=[$ROOT/caches/$2,$ROOT/caches/$3]" ${USER_SETS[@]+"${USER_SETS[@]}"}
     stamp "cache $1"
 }
 # scaled N: N x STEPS_SCALE, at least 1
@@ -61,7 +63,7 @@ train() {
     [[ $# -gt 4 ]] && warm=(--set "train.warm_start=$OUT/$5/dspark" --set "train.lr=$6")
     run "$PY" bench/drafter_comparison.py "${C[@]}" --cache "$ROOT/caches/$2" --steps "$(scaled "$3")" \
         --curve-every "$(scaled "$4")" --variants dspark --train-only --out "$OUT/$1" \
-        --set train.global_batch=8 --set train.micro_batch=4 "${warm[@]}" "${USER_SETS[@]}"
+        --set train.global_batch=8 --set train.micro_batch=4 ${warm[@]+"${warm[@]}"} ${USER_SETS[@]+"${USER_SETS[@]}"}
     stamp "stage $1 ($(scaled "$3") steps on $2)"
 }
 
@@ -87,10 +89,10 @@ done
 
 # the batch-1 cost table the greedy prefix scheduler prices rounds with, then the evaluation at T=0
 run "$PY" jobs/profile_sps.py "${C[@]}" --drafter "$OUT/math5/dspark" --out "$OUT/sps-b1.json" \
-    --batches 1,2,3,4,5,6,7,8 --max-requests 1 --context 256 "${USER_SETS[@]}"
+    --batches 1,2,3,4,5,6,7,8 --max-requests 1 --context 256 ${USER_SETS[@]+"${USER_SETS[@]}"}
 stamp "profile"
 run "$PY" jobs/evaluate.py "${C[@]}" --drafter "math5=$OUT/math5/dspark" --set "eval.out_dir=$OUT/eval" \
     --set "eval.temperatures=[0.0]" --set "eval.prompts_per_domain=$PROMPTS" \
     --set "eval.prompt_sets={humaneval: data/prompts/eval/humaneval.jsonl, gsm8k: data/prompts/eval/gsm8k.jsonl}" \
-    --set eval.policy=greedy --set "eval.sps_table=$OUT/sps-b1.json" "${USER_SETS[@]}"
+    --set eval.policy=greedy --set "eval.sps_table=$OUT/sps-b1.json" ${USER_SETS[@]+"${USER_SETS[@]}"}
 stamp "evaluation ($OUT/eval/results.md)"

@@ -430,20 +430,24 @@ class RayHead(Service):
         store = ObjectStore(self.root).state()
         return {**(store.env if store else {}), "DSPARK_LOCAL_DIR": str(LOCAL_DIR)}
 
+    def ray_env(self) -> dict[str, str]:
+        """What the head's processes must run with: job_env and the Ray settings (RAY_ENV_DEFAULTS, where
+        this environment does not set them)."""
+        return {**self.job_env(), **{k: os.environ.get(k, v) for k, v in RAY_ENV_DEFAULTS.items()}}
+
     def process_env(self):
         # a job's `python` is resolved on the head's PATH: put this environment's first
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        env = {**self.job_env(), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PATH": path}
-        return {**env, **{k: os.environ.get(k, v) for k, v in RAY_ENV_DEFAULTS.items()}}
+        return {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PATH": path, **self.ray_env()}
 
     def stale(self, st: ServiceState) -> bool:
-        """Whether the running head lacks the current job_env (it was started before the object
-        store, or the store has moved to another port since)."""
+        """Whether the running head lacks the current ray_env (it was started before the object store,
+        the store has moved to another port since, or it predates a Ray setting)."""
         try:
             env = psutil.Process(st.pid).environ()
         except psutil.Error:
             return False
-        return any(env.get(k) != v for k, v in self.job_env().items())
+        return any(env.get(k) != v for k, v in self.ray_env().items())
 
     def start(self, timeout: float = 240.0, ports: dict[str, int] | None = None, attempts: int = 3) -> ServiceState:
         st = self.state()

@@ -6,12 +6,14 @@ prompt is an evaluated one."""
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from dspark import evaluation
 from dspark import target as targets
 from dspark.config import load_config
 from dspark.corpus.tokenizer import chat_ids, encode_prompt
+from dspark.errors import UserError
 from dspark.models import DrafterConfig, build_drafter
 from dspark.train.worker import mask_id
 
@@ -57,6 +59,46 @@ def test_evaluation_on_named_prompt_sets_measures_every_turn(tmp_path):
     assert set(rows) == {("target", "chat"), ("d", "chat"), ("target", "code"), ("d", "code")}
     assert rows[("d", "chat")].prompts == 3 and rows[("target", "code")].speedup == 1.0
     assert "| d | chat | 0 | 2 |" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_evaluation_skips_turns_that_leave_no_room_for_the_answer(tmp_path):
+    """A turn whose prompt leaves fewer than eval.max_new_tokens positions of the target's context ends its
+    conversation there (logged), as a cache build ends it; a set with nothing left is a clear error."""
+    tgt = targets.load("builtin")
+    context, max_new = tgt.model.config.max_position_embeddings, 8
+
+    def words(n: int) -> str:
+        return " ".join(f"w{i % 97}" for i in range(n))
+
+    def length(n: int) -> int:
+        return len(chat_ids(tgt.tokenizer, words(n)))
+
+    lo, hi = 1, context  # the fewest words whose prompt leaves no room: length(hi) > context - max_new >= length(lo)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if length(mid) <= context - max_new else (lo, mid)
+    long, over, fits = words(context), words(hi), words(lo)  # `fits` is at most a word short of the edge
+    assert length(lo) <= context - max_new < length(hi) <= length(context)
+    records = [{"turns": ["Say hi.", long, "Again."]}, {"prompt": over}, {"prompt": fits}]
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": long}) + "\n")
+
+    def config(name: str):
+        return load_config(
+            overrides=[f"eval.max_new_tokens={max_new}", f"eval.prompt_sets={{{name}: {tmp_path}/{name}.jsonl}}"]
+        )
+
+    cfg = config("chat")
+    logged = []
+    prompts = evaluation.eval_prompts(cfg, tgt, None, logged.append)["chat"]
+    assert [len(p) for p in prompts] == [len(chat_ids(tgt.tokenizer, "Say hi.")), length(lo)]
+    assert logged == [
+        f"[eval] eval.prompt_sets chat: 3 of 5 user turns skipped: their prompts leave no room for "
+        f"eval.max_new_tokens={max_new} in the target's {context}-token context"
+    ]
+    cfg = config("long")
+    with pytest.raises(UserError, match="eval.prompt_sets long: no user turn of .*long.jsonl leaves room"):
+        evaluation.eval_prompts(cfg, tgt, None, logged.append)
 
 
 def test_no_evaluated_prompt_is_a_training_prompt():

@@ -53,10 +53,13 @@ def test_the_ray_processes_wait_longer_for_a_proxy_unless_told_otherwise(tmp_pat
     assert seen == ["30"]
 
 
-def test_a_head_started_without_those_settings_is_stale(tmp_path):
+def test_a_head_started_without_those_settings_is_stale(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", raising=False)
     head = RayHead(tmp_path)
     _running_object_store(tmp_path)
-    for env, stale in (({}, True), (head.job_env(), False)):
+    settings = {**head.job_env(), "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
+    without_ray_setting = {k: v for k, v in settings.items() if k != "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"}
+    for env, stale in (({}, True), (without_ray_setting, True), (settings, False)):
         proc = subprocess.Popen(
             [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"],
             env={**os.environ, **env},

@@ -97,7 +97,7 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
                 {f"{name} ({d})": v["threshold_sweep"] for d, v in cal["domains"].items()},
                 out_dir / f"threshold_sweep_{name}.png",
             )
-    sets = eval_prompts(cfg, target, corpus)
+    sets = eval_prompts(cfg, target, corpus, log)
     bar = tqdm(total=len(sets) * len(ec.temperatures), unit="set", desc="eval", mininterval=10)
     for domain, prompts in sets.items():
         for t in ec.temperatures:

@@ -14,6 +14,7 @@ from dspark.corpus.examples import split_examples
 from dspark.corpus.tokenizer import chat_ids
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder, full_length
+from dspark.errors import UserError
 from dspark.storage import Storage
 
 
@@ -44,13 +45,16 @@ def prompts_for(cfg, corpus, domain: str, split: str, n: int, tokenizer) -> list
     return [chat_ids(tokenizer, e.prompt, True, cfg.target.chat_template_kwargs) for e in exs]
 
 
-def set_prompts(cfg, target, uri: str) -> list[list[int]]:
+def set_prompts(cfg, target, uri: str, name: str = "", log=print) -> list[list[int]]:
     """A named prompt set (JSONL, any cache.sources format), eval.prompts_per_domain conversations: one
     prompt per user turn, the paper's multi-turn protocol. Turn t follows the target's own greedy answers
-    to turns 1..t-1, generated once here so that every drafter (and plain decoding) sees the same context."""
+    to turns 1..t-1, generated once here so that every drafter (and plain decoding) sees the same context.
+    A conversation ends before a turn whose prompt leaves no room for eval.max_new_tokens in the target's
+    context (as a cache build ends it; logged with their count); a set with no turn left is an error."""
     ec = cfg.eval
     convs = spread(load_jsonl(uri, Storage.from_config(cfg.storage)).conversations, ec.prompts_per_domain)
     cc = cfg.cache.model_copy(update={"temperature": 0.0, "max_new_tokens": ec.max_new_tokens})
+    context = target.model.config.max_position_embeddings
     turns = regenerate(
         target.model,
         target.tokenizer,
@@ -60,15 +64,29 @@ def set_prompts(cfg, target, uri: str) -> list[list[int]]:
         target.eos_token_ids,
         cfg.target.chat_template_kwargs,
         answer_last=False,
+        max_len=context - ec.max_new_tokens + 1,  # a prompt of at most context - max_new_tokens tokens is kept
     )
-    return [p for ts in turns for p, _ in ts]
+    prompts = [p for ts in turns for p, _ in ts]
+    skipped = sum(len(c.turns) for c in convs) - len(prompts)
+    what = f"eval.prompt_sets {name or uri}"
+    if not prompts:
+        raise UserError(
+            f"{what}: no user turn of {uri} leaves room for eval.max_new_tokens={ec.max_new_tokens} "
+            f"in the target's {context}-token context"
+        )
+    if skipped:
+        log(
+            f"[eval] {what}: {skipped} of {skipped + len(prompts)} user turns skipped: their prompts leave no "
+            f"room for eval.max_new_tokens={ec.max_new_tokens} in the target's {context}-token context"
+        )
+    return prompts
 
 
-def eval_prompts(cfg, target, corpus) -> dict[str, list[list[int]]]:
+def eval_prompts(cfg, target, corpus, log=print) -> dict[str, list[list[int]]]:
     """Prompts per evaluated set: eval.prompt_sets by name, else the built-in corpus's held-out domains."""
     ec = cfg.eval
     if ec.prompt_sets:
-        return {name: set_prompts(cfg, target, uri) for name, uri in ec.prompt_sets.items()}
+        return {name: set_prompts(cfg, target, uri, name, log) for name, uri in ec.prompt_sets.items()}
     return {
         d: prompts_for(cfg, corpus, d, "heldout", ec.prompts_per_domain, target.tokenizer) for d in ("code", "prose")
     }
