@@ -196,7 +196,8 @@ def test_the_draft_gate_follows_what_rounds_took_over_its_model():
         gate.timed(1, True, 3, 0.06)
     assert not gate.drafting_pays(1) and draft_pays(gate.alpha, 1, sps, gate.overhead_s(1))  # overruled: the model
     assert [gate(1) for _ in range(3)] == [False, True, False]  # plain rounds, probes after 1, 2, .. skipped
-    assert gate.drafting_pays(2)  # R = 2 has not been timed: the model
+    # R = 2 has not been timed: R = 1's loss holds there (`inferred`), over the model
+    assert not gate.drafting_pays(2) and gate.inferred(2) is False and draft_pays(gate.alpha, 2, sps)
     # the other way: the model says plain decoding wins (drafting costs 10 steps), drafted rounds are faster
     slow = DraftGate(SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.1]), 4, 8, min_rounds=2)
     slow.observe([4], [1])
@@ -212,6 +213,39 @@ def test_the_draft_gate_follows_what_rounds_took_over_its_model():
         "drafted": {"rounds": 2, "tokens": 8, "seconds": pytest.approx(0.04), "catch_up_s": pytest.approx(0.01)},
         "plain": {"rounds": 2, "tokens": 2, "seconds": pytest.approx(0.02), "catch_up_s": 0.0},
     }
+
+
+def test_where_r_was_not_measured_the_nearest_measured_load_decides():
+    """Drafting's gain shrinks as load grows: a loss measured at the nearest R' < R holds at R, and such an R
+    is probed at the probes' price instead of drafting every other round until measured; a win at the
+    nearest R' > R holds at R; neither or both (noise): the model. R's own measurement then decides."""
+
+    def timed(gate, R, drafted_tokens, drafted_s, n=2):  # n plain rounds (R tokens in 10 ms) and n drafted
+        for drafted, tokens, seconds in [(False, R, 0.01)] * n + [(True, drafted_tokens, drafted_s)] * n:
+            gate.timed(R, drafted, tokens, seconds)
+
+    cheap = SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.001])  # the model: drafting pays
+    gate = DraftGate(cheap, gamma=4, max_interval=8, min_rounds=2)
+    gate.observe([4] * 2, [4] * 2)
+    assert gate.drafting_pays(8) and gate.inferred(8) is None
+    timed(gate, 2, 4, 0.03)  # at R = 2: 133 tokens/s drafted against 200 plain
+    assert gate.verdicts == {2: False} and gate.inferred(8) is False and not gate.drafting_pays(8)
+    assert gate.inferred(1) is None and gate.drafting_pays(1)  # below the loss: nothing holds, the model says draft
+    # R = 8 is probed at its price: a drafting round for 8 requests (8 ms) is 2% of 40 plain rounds of 10 ms,
+    # capped at max_interval: after 8 of them (not every other round, as an R that nothing is known of)
+    assert [gate(8) for _ in range(9)] == [False] * 8 + [True]
+    timed(gate, 8, 24, 0.02)  # R = 8's own measurement: 1200 tokens/s against 800, drafting wins there
+    assert gate.measured(8) is True and gate.drafting_pays(8) and gate(8)
+    assert gate.inferred(4) is None  # a loss below (R = 2) and a win above (R = 8): the model
+    # the other way: the model says drafting loses (10 steps a round), a win measured at R = 8 holds at R = 4
+    slow = DraftGate(SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.1]), 4, 8, min_rounds=2)
+    slow.observe([4] * 8, [1] * 8)
+    assert not slow.drafting_pays(4)
+    timed(slow, 8, 24, 0.02)
+    assert slow.inferred(4) is True and slow.drafting_pays(4) and slow(4)
+    timed(slow, 6, 6, 0.02)  # a loss at R = 6: the nearest measured load above R = 4 now loses, below none
+    assert slow.inferred(4) is None and not slow.drafting_pays(4)  # the model again
+    assert slow.inferred(7) is None and slow.inferred(9) is None  # a loss at 6 below a win at 8: no inference
 
 
 def test_drafted_rounds_are_charged_the_prompt_reading_per_output_token():

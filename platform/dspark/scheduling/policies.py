@@ -213,10 +213,15 @@ class DraftGate:
     noise, 36 probes), against 3% with 0 (28 of 913: 12 and 16); on `bench/gate_sim.py` the worst case
     rises from 0.963 to 0.968 of the better fixed choice, the price being a wider tail where drafting wins
     by 10% (10th percentile 0.898 against 0.928).
-    Until then the model decides, its rounds priced with the measured cost of a plain round beyond the
-    profiled forward pass (`overhead_s`). While drafting, a plain round is timed every other drafted round
-    until there are `min_rounds` of them, then every `max_interval`-th (every other round for
-    max_interval <= 2).
+    Until then a neighbour's verdict decides where there is one (`inferred`: drafting's gain shrinks as
+    load grows, so a loss measured at the nearest R' < R holds at R, and a win at the nearest R' > R), and
+    such an R is probed at the probes' price, not every other round: a server whose load ramps through
+    many R (the tail of a burst, C = 16 falling to 1) does not draft at a loss at each while measuring it
+    (at T=1 on the built-in target, drafting at R = 5-15 took 1.1 s beyond plain rounds in one serve_load
+    run, against 0.7 s at R = 1-4). Else the model decides, its rounds priced with the measured cost of a
+    plain round beyond the profiled forward pass (`overhead_s`). While drafting, a plain round is timed
+    every other drafted round until there are `min_rounds` of them, then every `max_interval`-th (every
+    other round for max_interval <= 2).
 
     The requests: how many drafts a round gets accepted depends on the requests more than on the
     server, so when the decoder says which requests the round is for (`own`: each one's drafted rounds
@@ -255,6 +260,7 @@ class DraftGate:
         self.skipped: dict[int, int] = {}  # R -> plain rounds at R since its last drafted round
         self.pays: dict[int, bool] = {}  # draft_pays(alpha, R, o(R)) by R, until alpha or o(R) next changes
         self.rounds_timed: dict[tuple[int, bool], RoundTimes] = {}  # (R, drafted) -> what those rounds took
+        self.verdicts: dict[int, bool] = {}  # R -> the server's measured verdict there (`measured(R)`), once drawn
         self.since_plain: dict[int, int] = {}  # R -> drafted rounds since a plain round was timed at R
         self.totals: dict[tuple[int, bool], tuple] = {}  # (R, drafted) -> rounds, tokens, s, catch-up s
         self.accepted, self.request_rounds = 0.0, 0  # the server's mean accepted drafts per request and drafted round
@@ -274,7 +280,7 @@ class DraftGate:
                 return False  # a plain round, timed: what drafting is compared with
             return True
         interval, skipped = self.interval.get(R, 1), self.skipped.get(R, 0)
-        if self.speed(R, True)[1] < self.min_rounds:  # too few drafted rounds timed at R: every other round
+        if self.speed(R, True)[1] < self.min_rounds and self.inferred(R) is None:  # R unknown: every other round
             wait = 1
         elif skipped < interval and not new:  # short of the interval: no probe, whatever its price
             wait = interval
@@ -309,14 +315,27 @@ class DraftGate:
         return scale * drafted.rate - plain.rate + self.z * se > 0
 
     def drafting_pays(self, R: int, own: Optional[list[tuple[int, int]]] = None) -> bool:
-        """The measured verdict at R where there is one (for these requests), else the model (`draft_pays`
-        with the measured alpha)."""
+        """The measured verdict at R where there is one (for these requests), else a neighbour's (`inferred`),
+        else the model (`draft_pays` with the measured alpha)."""
         verdict = self.measured(R, own)
+        if verdict is None:
+            verdict = self.inferred(R)
         if verdict is not None:
             return verdict
         if R not in self.pays:
             self.pays[R] = draft_pays(self.alpha, R, self.sps, self.overhead_s(R), self.prompt_s_per_token())
         return self.pays[R]
+
+    def inferred(self, R: int) -> bool | None:
+        """Drafting's verdict at R from the nearest R' with a measured one: per request, a drafted round
+        verifies 1 + l tokens where a plain one verifies 1, and the cost of verifying more, like drafting
+        for more requests, grows with the batch, so the gain shrinks as R grows (the paper's premise). A
+        loss at the nearest R' < R: False; a win at the nearest R' > R: True; neither, or both (noise): None."""
+        below = max((r for r in self.verdicts if r < R), default=None)
+        above = min((r for r in self.verdicts if r > R), default=None)
+        loses = below is not None and not self.verdicts[below]
+        wins = above is not None and self.verdicts[above]
+        return None if loses == wins else wins
 
     def overhead_s(self, R: int) -> float:
         """o(R): what a plain round at R took beyond its profiled forward pass, 1/SPS(R), once `min_rounds`
@@ -379,6 +398,8 @@ class DraftGate:
         if not drafted:
             self.pays.pop(R, None)  # o(R) moved
         self.since_plain[R] = self.since_plain.get(R, 0) + 1 if drafted else 0
+        if (verdict := self.measured(R)) is not None:
+            self.verdicts[R] = verdict
 
     def speed(self, R: int, drafted: bool) -> tuple[float, int]:
         """Measured tokens/s of drafted (or plain) rounds at R, and how many rounds were timed."""
