@@ -441,8 +441,8 @@ class RayHead(Service):
         return {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PATH": path, **self.ray_env()}
 
     def stale(self, st: ServiceState) -> bool:
-        """Whether the running head lacks the current ray_env (it was started before the object store,
-        the store has moved to another port since, or it predates a Ray setting)."""
+        """Whether the running head's environment differs from the current ray_env (it was started before
+        the object store, the store has moved to another port since, or a Ray setting differs)."""
         try:
             env = psutil.Process(st.pid).environ()
         except psutil.Error:
@@ -573,8 +573,9 @@ def _cli(argv=None) -> None:
         st = head.state()
         if "ray" not in names and st and head.stale(st):
             print(
-                "ray: the running head does not have the object store's settings, so its jobs will not reach "
-                "it; `infra/local/start.sh ray` restarts it with them",
+                "ray: the running head's environment differs from the object store's settings or the Ray "
+                "settings it needs (its jobs may not reach the store); `infra/local/start.sh ray` restarts it "
+                "with them",
                 file=sys.stderr,
             )
     elif args.action == "stop":

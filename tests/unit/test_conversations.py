@@ -208,6 +208,13 @@ def test_a_conversation_ends_before_a_turn_too_long_for_the_targets_context():
         model = Scripted([[8]], pad=tok.pad_token_id)
         turns = regenerate(model, tok, [Conversation("s:4", "s", ("short",))], cc, 0, max_len=fits + room)
         assert [r for _, r in turns[0]] == answered and model.max_new_tokens == ([1] if room else [])
+    # room=k (evaluation: an answer of k tokens must fit): kept iff prompt + k <= max_len, and the answer is
+    # still capped by the context alone
+    for extra, answered in ((4, []), (5, [[8]])):
+        model = Scripted([[8]], pad=tok.pad_token_id)
+        conv = [Conversation("s:5", "s", ("short",))]
+        turns = regenerate(model, tok, conv, cc, 0, max_len=fits + extra, room=5)
+        assert [r for _, r in turns[0]] == answered and model.max_new_tokens == ([5] if answered else [])
 
 
 def test_smollm2_cache_rows_use_its_chat_template_and_keep_eos(smollm2_tokenizer):

@@ -331,8 +331,8 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         def fake_timed(R, drafted, n, s, catch_up_s=0.0):  # plain rounds: 1 s for R tokens; drafted 0.5 or 3 s
             total[0] += n  # (by `total`)
             timed(R, drafted, n, n / R * (0.5 if total[0] < 8000 else 3.0) if drafted else 1.0, catch_up_s)
-            if kind == "inferred":  # a loss measured at R = 1, or a win at a load above any here
-                gate.verdicts = {1: False} if total[0] % 2 else {10**6: True}
+            if kind == "inferred":  # a loss measured at R = 2, or a win at a load above any here
+                gate.verdicts = {2: False} if total[0] % 2 else {10**6: True}
 
         gate.timed = fake_timed
         measured, verdicts = gate.measured, []  # the measured verdicts the gate drew

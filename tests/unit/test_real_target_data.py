@@ -65,40 +65,35 @@ def test_evaluation_skips_turns_that_leave_no_room_for_the_answer(tmp_path):
     """A turn whose prompt leaves fewer than eval.max_new_tokens positions of the target's context ends its
     conversation there (logged), as a cache build ends it; a set with nothing left is a clear error."""
     tgt = targets.load("builtin")
-    context, max_new = tgt.model.config.max_position_embeddings, 8
+    context = tgt.model.config.max_position_embeddings
 
-    def words(n: int) -> str:
-        return " ".join(f"w{i % 97}" for i in range(n))
+    def words(k: int) -> str:
+        return " ".join(f"w{i % 97}" for i in range(k))
 
-    def length(n: int) -> int:
-        return len(chat_ids(tgt.tokenizer, words(n)))
-
-    lo, hi = 1, context  # the fewest words whose prompt leaves no room: length(hi) > context - max_new >= length(lo)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if length(mid) <= context - max_new else (lo, mid)
-    long, over, fits = words(context), words(hi), words(lo)  # `fits` is at most a word short of the edge
-    assert length(lo) <= context - max_new < length(hi) <= length(context)
-    records = [{"turns": ["Say hi.", long, "Again."]}, {"prompt": over}, {"prompt": fits}]
+    k = next(k for k in range(context, 0, -8) if len(chat_ids(tgt.tokenizer, words(k))) <= context - 40)
+    n, hi = len(chat_ids(tgt.tokenizer, words(k))), len(chat_ids(tgt.tokenizer, "Say hi."))
+    long = words(2 * context)  # longer than the context
+    records = [{"turns": ["Say hi.", long, "Again."]}, {"prompt": words(k)}]
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": long}) + "\n")
 
-    def config(name: str):
-        return load_config(
-            overrides=[f"eval.max_new_tokens={max_new}", f"eval.prompt_sets={{{name}: {tmp_path}/{name}.jsonl}}"]
-        )
+    def prompts(name: str, max_new: int):
+        sets = f"eval.prompt_sets={{{name}: {tmp_path}/{name}.jsonl}}"
+        logged = []
+        cfg = load_config(overrides=[f"eval.max_new_tokens={max_new}", sets])
+        return [len(p) for p in evaluation.eval_prompts(cfg, tgt, None, logged.append)[name]], logged
 
-    cfg = config("chat")
-    logged = []
-    prompts = evaluation.eval_prompts(cfg, tgt, None, logged.append)["chat"]
-    assert [len(p) for p in prompts] == [len(chat_ids(tgt.tokenizer, "Say hi.")), length(lo)]
-    assert logged == [
-        f"[eval] eval.prompt_sets chat: 3 of 5 user turns skipped: their prompts leave no room for "
-        f"eval.max_new_tokens={max_new} in the target's {context}-token context"
-    ]
-    cfg = config("long")
+    # the edge: the prompt of n tokens is kept with exactly context - n positions left for its answer
+    assert prompts("chat", context - n) == (
+        [hi, n],
+        [
+            f"[eval] eval.prompt_sets chat: 2 of 4 user turns skipped: their prompts leave no room for "
+            f"eval.max_new_tokens={context - n} in the target's {context}-token context"
+        ],
+    )
+    assert prompts("chat", context - n + 1)[0] == [hi]  # one position short: skipped
     with pytest.raises(UserError, match="eval.prompt_sets long: no user turn of .*long.jsonl leaves room"):
-        evaluation.eval_prompts(cfg, tgt, None, logged.append)
+        prompts("long", 8)
 
 
 def test_no_evaluated_prompt_is_a_training_prompt():

@@ -196,8 +196,8 @@ def test_the_draft_gate_follows_what_rounds_took_over_its_model():
         gate.timed(1, True, 3, 0.06)
     assert not gate.drafting_pays(1) and draft_pays(gate.alpha, 1, sps, gate.overhead_s(1))  # overruled: the model
     assert [gate(1) for _ in range(3)] == [False, True, False]  # plain rounds, probes after 1, 2, .. skipped
-    # R = 2 has not been timed: R = 1's loss holds there (`inferred`), over the model
-    assert not gate.drafting_pays(2) and gate.inferred(2) is False and draft_pays(gate.alpha, 2, sps)
+    # R = 2 has not been timed, and R = 1's loss is one request's, which says nothing of a load: the model
+    assert gate.drafting_pays(2) and gate.inferred(2) is None and gate.verdicts == {}
     # the other way: the model says plain decoding wins (drafting costs 10 steps), drafted rounds are faster
     slow = DraftGate(SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.1]), 4, 8, min_rounds=2)
     slow.observe([4], [1])

@@ -175,14 +175,16 @@ def regenerate(
     answer_last: bool = True,
     progress: Callable[[int], object] | None = None,
     max_len: int = 0,
+    room: int = 1,
 ) -> list[list[tuple[list[int], list[int]]]]:
     """The target answers the conversations itself, the paper's protocol: user turn t is rendered with the
     target's chat template after the target's own answers to turns 1..t-1, then answered; batched over the
     conversations turn by turn. Per conversation and turn: (prompt ids, response ids ending at its first EOS);
     with answer_last=False the last turn's prompt is rendered but not answered (its response is []).
     `progress(n)` is called as n more answers are generated. With `max_len` (the target's context), a
-    conversation ends before the first turn whose prompt leaves no room for an answer: that turn and the
-    ones after it are not answered and have no entry (a first turn that long: the conversation has none)."""
+    conversation ends before the first turn whose prompt leaves no room for an answer of `room` tokens: that
+    turn and the ones after it are not answered and have no entry (a first turn that long: the conversation
+    has none)."""
     eos = tuple(eos_ids) or (tok.eos_token_id,)
     answers: list[list[str]] = [[] for _ in convs]
     out: list[list[tuple[list[int], list[int]]]] = [[] for _ in convs]
@@ -191,8 +193,8 @@ def regenerate(
         live = [i for i, c in enumerate(convs) if t < len(c.turns) and i not in ended]
         prompts = [chat_ids(tok, convs[i].messages(answers[i]), True, chat_template_kwargs) for i in live]
         if max_len:
-            ended |= {i for i, p in zip(live, prompts) if len(p) >= max_len}
-            live, prompts = [i for i in live if i not in ended], [p for p in prompts if len(p) < max_len]
+            ended |= {i for i, p in zip(live, prompts) if len(p) + room > max_len}
+            live, prompts = [i for i in live if i not in ended], [p for p in prompts if len(p) + room <= max_len]
         ask = [k for k, i in enumerate(live) if answer_last or t < len(convs[i].turns) - 1]
         asked = [prompts[k] for k in ask]
         answered = generate(model, asked, cc, eos, tok.pad_token_id, progress, hash((seed, t)), max_len) if ask else []

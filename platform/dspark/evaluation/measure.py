@@ -54,7 +54,8 @@ def set_prompts(cfg, target, uri: str, name: str = "", log=print) -> list[list[i
     ec = cfg.eval
     convs = spread(load_jsonl(uri, Storage.from_config(cfg.storage)).conversations, ec.prompts_per_domain)
     cc = cfg.cache.model_copy(update={"temperature": 0.0, "max_new_tokens": ec.max_new_tokens})
-    context = target.model.config.max_position_embeddings
+    context = getattr(target.model.config, "max_position_embeddings", 0) or 0  # 0: no known limit
+    what = f"eval.prompt_sets {name or uri}"
     turns = regenerate(
         target.model,
         target.tokenizer,
@@ -64,11 +65,11 @@ def set_prompts(cfg, target, uri: str, name: str = "", log=print) -> list[list[i
         target.eos_token_ids,
         cfg.target.chat_template_kwargs,
         answer_last=False,
-        max_len=context - ec.max_new_tokens + 1,  # a prompt of at most context - max_new_tokens tokens is kept
+        max_len=context,
+        room=ec.max_new_tokens,  # a prompt of at most context - max_new_tokens tokens is kept
     )
     prompts = [p for ts in turns for p, _ in ts]
     skipped = sum(len(c.turns) for c in convs) - len(prompts)
-    what = f"eval.prompt_sets {name or uri}"
     if not prompts:
         raise UserError(
             f"{what}: no user turn of {uri} leaves room for eval.max_new_tokens={ec.max_new_tokens} "

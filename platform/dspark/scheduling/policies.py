@@ -214,8 +214,9 @@ class DraftGate:
     rises from 0.963 to 0.968 of the better fixed choice, the price being a wider tail where drafting wins
     by 10% (10th percentile 0.898 against 0.928).
     Until then a neighbour's verdict decides where there is one (`inferred`: drafting's gain shrinks as
-    load grows, so a loss measured at the nearest R' < R holds at R, and a win at the nearest R' > R), and
-    such an R is probed at the probes' price, not every other round: a server whose load ramps through
+    load grows, so a loss measured at the nearest R' < R holds at R, and a win at the nearest R' > R; not
+    R' = 1, where one request's acceptance decides, which says more about that request than about the
+    load), and such an R is probed at the probes' price, not every other round: a server whose load ramps through
     many R (the tail of a burst, C = 16 falling to 1) does not draft at a loss at each while measuring it
     (at T=1 on the built-in target, drafting at R = 5-15 took 1.1 s beyond plain rounds in one serve_load
     run, against 0.7 s at R = 1-4). Else the model decides, its rounds priced with the measured cost of a
@@ -260,7 +261,7 @@ class DraftGate:
         self.skipped: dict[int, int] = {}  # R -> plain rounds at R since its last drafted round
         self.pays: dict[int, bool] = {}  # draft_pays(alpha, R, o(R)) by R, until alpha or o(R) next changes
         self.rounds_timed: dict[tuple[int, bool], RoundTimes] = {}  # (R, drafted) -> what those rounds took
-        self.verdicts: dict[int, bool] = {}  # R -> the server's measured verdict there (`measured(R)`), once drawn
+        self.verdicts: dict[int, bool] = {}  # R > 1 -> the server's measured verdict there (`measured(R)`)
         self.since_plain: dict[int, int] = {}  # R -> drafted rounds since a plain round was timed at R
         self.totals: dict[tuple[int, bool], tuple] = {}  # (R, drafted) -> rounds, tokens, s, catch-up s
         self.accepted, self.request_rounds = 0.0, 0  # the server's mean accepted drafts per request and drafted round
@@ -327,7 +328,7 @@ class DraftGate:
         return self.pays[R]
 
     def inferred(self, R: int) -> bool | None:
-        """Drafting's verdict at R from the nearest R' with a measured one: per request, a drafted round
+        """Drafting's verdict at R from the nearest R' > 1 with a measured one: per request, a drafted round
         verifies 1 + l tokens where a plain one verifies 1, and the cost of verifying more, like drafting
         for more requests, grows with the batch, so the gain shrinks as R grows (the paper's premise). A
         loss at the nearest R' < R: False; a win at the nearest R' > R: True; neither, or both (noise): None."""
@@ -398,7 +399,7 @@ class DraftGate:
         if not drafted:
             self.pays.pop(R, None)  # o(R) moved
         self.since_plain[R] = self.since_plain.get(R, 0) + 1 if drafted else 0
-        if (verdict := self.measured(R)) is not None:
+        if R > 1 and (verdict := self.measured(R)) is not None:  # R = 1: one request's acceptance decides
             self.verdicts[R] = verdict
 
     def speed(self, R: int, drafted: bool) -> tuple[float, int]:
