@@ -82,7 +82,7 @@ class ShardBuilder:
         self.cfg, self.cache_uri, self.layers, self.storage, self.settings = cfg, cache_uri, layers, storage, settings
         self.tgt = targets.load_from_config(cfg.target)
         self.tok = self.tgt.tokenizer
-        self.max_len = getattr(self.tgt.model.config, "max_position_embeddings", 0) or 0  # the target's context
+        self.max_len = context_of(self.tgt.model)
 
     def __call__(self, batch: dict) -> dict:
         out: dict[str, list] = {k: [] for k in ("shard_id", "stats", "seconds")}
@@ -110,7 +110,7 @@ class ShardBuilder:
                 progress=bar.update,
                 max_len=self.max_len,
             )
-            skipped = sum(len(c.turns) for c in convs) - sum(len(ts) for ts in turns)
+            skipped = skipped_turns(convs, turns)
             bar.update(skipped)  # turns that did not fit the target's context: done, unanswered
         finally:
             bar.close()
@@ -162,6 +162,16 @@ def _publish(fs: pafs.FileSystem, root: str, stats: ShardStats, data: bytes, bui
     sidecar = json.dumps({**asdict(stats), "built_with": built_with}).encode()
     _put_atomic(fs, f"{root}/_shards/{stats.file}.json", sidecar, f"{root}/_tmp")
     return stats
+
+
+def context_of(model) -> int:
+    """The target's context in tokens, regenerate's `max_len` (0: no known limit)."""
+    return getattr(model.config, "max_position_embeddings", 0) or 0
+
+
+def skipped_turns(convs: list[Conversation], turns: list[list]) -> int:
+    """The user turns of `convs` that `regenerate` left out (their prompts left no room in the context)."""
+    return sum(len(c.turns) for c in convs) - sum(len(ts) for ts in turns)
 
 
 def regenerate(

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dspark.cache.build import regenerate
+from dspark.cache.build import context_of, regenerate, skipped_turns
 from dspark.corpus.conversations import load_jsonl, spread
 from dspark.corpus.examples import split_examples
 from dspark.corpus.tokenizer import chat_ids
@@ -54,7 +54,7 @@ def set_prompts(cfg, target, uri: str, name: str = "", log=print) -> list[list[i
     ec = cfg.eval
     convs = spread(load_jsonl(uri, Storage.from_config(cfg.storage)).conversations, ec.prompts_per_domain)
     cc = cfg.cache.model_copy(update={"temperature": 0.0, "max_new_tokens": ec.max_new_tokens})
-    context = getattr(target.model.config, "max_position_embeddings", 0) or 0  # 0: no known limit
+    context = context_of(target.model)
     what = f"eval.prompt_sets {name or uri}"
     turns = regenerate(
         target.model,
@@ -69,7 +69,7 @@ def set_prompts(cfg, target, uri: str, name: str = "", log=print) -> list[list[i
         room=ec.max_new_tokens,  # a prompt of at most context - max_new_tokens tokens is kept
     )
     prompts = [p for ts in turns for p, _ in ts]
-    skipped = sum(len(c.turns) for c in convs) - len(prompts)
+    skipped = skipped_turns(convs, turns)
     if not prompts:
         raise UserError(
             f"{what}: no user turn of {uri} leaves room for eval.max_new_tokens={ec.max_new_tokens} "

@@ -216,10 +216,10 @@ class DraftGate:
     Until then a neighbour's verdict decides where there is one (`inferred`: drafting's gain shrinks as
     load grows, so a loss measured at the nearest R' < R holds at R, and a win at the nearest R' > R; not
     R' = 1, where one request's acceptance decides, which says more about that request than about the
-    load), and such an R is probed at the probes' price, not every other round: a server whose load ramps through
-    many R (the tail of a burst, C = 16 falling to 1) does not draft at a loss at each while measuring it
-    (at T=1 on the built-in target, drafting at R = 5-15 took 1.1 s beyond plain rounds in one serve_load
-    run, against 0.7 s at R = 1-4). Else the model decides, its rounds priced with the measured cost of a
+    load), and such an R is probed at the probes' price, not every other round: a server whose load ramps
+    through many R (the tail of a burst, C = 16 falling to 1) does not draft at a loss at each while
+    measuring it (at T=1 on the built-in target, drafting at R = 5-15 took 1.1 s beyond plain rounds in one
+    serve_load run, against 0.7 s at R = 1-4). Else the model decides, its rounds priced with the measured cost of a
     plain round beyond the profiled forward pass (`overhead_s`). While drafting, a plain round is timed
     every other drafted round until there are `min_rounds` of them, then every `max_interval`-th (every
     other round for max_interval <= 2).
