@@ -14,7 +14,8 @@ requests of 50 rounds follow one another at R = 1 and the first one's drafts are
 length, no bad one); it is run again with the gate
 blind to the requests (`own` = None), as it was before it read them. "Slow drafter" is the built-in
 target's serve_load at one request: a plain round 7.3 ms, a drafted one 16 ms (the drafter costs more than
-a target step), requests of 64 rounds. The defaults are SmolLM2
+a target step), requests of 64 rounds. In the "bursts" the load changes every few rounds, as serve_load's
+C = 16 puts it on the built-in target (BURSTS). The defaults are SmolLM2
 serve_load's measurements (results/serve-load-gate4-smollm2: a plain round of 4 requests 51 ms, a drafted
 one 95 ms; at R = 1, 43 and 58 ms). Prints, per z and scenario, the mean and 10th percentile over seeds
 of the gate's tokens/s as a fraction of the better fixed choice's (always or never drafting, on the same
@@ -48,6 +49,18 @@ SCENARIOS = {
 }
 # SPS(B) and t_d(R) of the model the gate falls back on before it has measured (SmolLM2 on this CPU)
 SPS = SPSTable([1, 4, 8, 16], [29.0, 26.6, 20.0, 16.4], draft_batch=[1, 4, 8], draft_s=[0.008, 0.016, 0.028])
+# Bursts, the load serve_load puts on a server at C = 16: 16 requests start together, run `rounds` rounds
+# at R = 16, then end one by one (R = 15 .. 1, `tail` rounds each); `bursts` of them one after another.
+# A plain round takes p0 + p1 R seconds, a drafted one e0 + e1 R more (the built-in target's serve_load
+# rounds: 8.5 ms at R = 1 and 12.6 ms at 16; the quickstart's drafter 12 and 53 ms more, 4x a plain round
+# at 16, with little accepted; the drafter trained on the whole built-in split at T=0 wins by 17% at
+# R = 1 and loses by 12% at 16). name: (bursts, rounds, tail, (p0, p1), (e0, e1), l, alpha)
+BURSTS = {
+    "bursts of 16, drafting loses": (4, 48, 2, (0.0082, 0.00027), (0.0093, 0.0027), 3, np.full(7, 0.3)),
+    "bursts of 16, wins at R=1 only": (4, 48, 2, (0.0082, 0.00027), (0.0100, 0.0011), 4, np.full(7, 0.7)),
+}
+# the built-in target's SPS(B) and t_d(R) (its profile's shape)
+SPS_BUILTIN = SPSTable([1, 16, 64, 128], [122.0, 80.0, 40.0, 25.0], draft_batch=[1, 16], draft_s=[0.009, 0.05])
 
 
 def one_round(rng, R: int, drafted: bool, l: int, plain_s: float, extra_s: float, alpha=ALPHA):
@@ -92,6 +105,30 @@ def run(z, seed, R, rounds, plain_s, extra_s, l, warm, request_rounds, bad_first
     return tokens / seconds, drafted_rounds / rounds
 
 
+def run_bursts(z, seed, bursts, rounds, tail, plain, extra, l, alpha, fixed=None):
+    """As `run`, for a load that changes every few rounds (BURSTS); the gate reads the server's rounds.
+    The work is fixed, as in serve_load (drafting that pays shortens a burst's tail, it does not add rounds
+    there): the tokens/s is that of the plain rounds' tokens at each load, Σ_R W_R, emitted at the rate
+    measured there, in Σ_R W_R / rate(R)."""
+    rng = np.random.default_rng(seed)
+    gate = DraftGate(SPS_BUILTIN, len(alpha), 256, z=z)
+    loads = ([16] * rounds + [R for R in range(15, 0, -1) for _ in range(tail)]) * bursts
+    tokens, seconds = np.zeros(17), np.zeros(17)  # per load R
+    drafted_rounds = 0
+    for R in loads:
+        drafted = fixed if fixed is not None else gate(R)
+        p, e = plain[0] + plain[1] * R, extra[0] + extra[1] * R
+        v, a, t, s = one_round(rng, R, drafted, l, p, e, alpha)
+        if drafted:
+            gate.observe(v, a)
+            drafted_rounds += 1
+        gate.timed(R, drafted, t, s)
+        tokens[R], seconds[R] = tokens[R] + t, seconds[R] + s
+    work = np.bincount(loads, minlength=17) * np.arange(17)  # W_R: R tokens per round at R
+    at = tokens > 0
+    return work.sum() / (work[at] * seconds[at] / tokens[at]).sum(), drafted_rounds / len(loads)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--z", default="1,0.5,0")
@@ -99,10 +136,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     for z in [float(x) for x in args.z.split(",")]:
         print(f"z = {z}")
-        for name, case in SCENARIOS.items():
-            runs = [run(z, s, *case) for s in range(args.seeds)]
+        for name, (sim, case) in [
+            *((n, (run, c)) for n, c in SCENARIOS.items()),
+            *((n, (run_bursts, c)) for n, c in BURSTS.items()),
+        ]:
+            runs = [sim(z, s, *case) for s in range(args.seeds)]
             rates = np.array([r for r, _ in runs])
-            always, never = (np.mean([run(z, s, *case, fixed=f)[0] for s in range(args.seeds)]) for f in (True, False))
+            always, never = (np.mean([sim(z, s, *case, fixed=f)[0] for s in range(args.seeds)]) for f in (True, False))
             best = max(always, never)  # the better fixed choice's mean tokens/s on the same rounds
             print(
                 f"  {name:24s} {rates.mean() / best:.3f} of the better fixed choice (p10 "

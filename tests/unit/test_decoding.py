@@ -288,7 +288,7 @@ def test_sampling_matches_target_distribution(request, target, name, policy):
     assert p_value > 1e-3, (name, p_value, n)
 
 
-@pytest.mark.parametrize("kind", ["cost", "idle", "gap", "catch-up", "timed", "lone", "inferred"])
+@pytest.mark.parametrize("kind", ["cost", "idle", "gap", "catch-up", "timed", "lone", "inferred", "scaled"])
 def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     """The engine's adaptive path: a DraftGate decides before each round whether to draft at all, and a
     drafted round prices its lengths with the drafting time as paid. cost: drafting costs 20 target
@@ -306,7 +306,9 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     every request): each request is new traffic until drafted for twice (its probes wait their price), and
     the verdict reads its own accepted drafts. inferred: as timed, but R = 256 is never measured itself
     (min_rounds out of reach) and a neighbouring load's verdict decides (`DraftGate.inferred`): a loss
-    below R or a win above it, whichever the parity of the tokens emitted so far says."""
+    below R or a win above it, whichever the parity of the tokens emitted so far says. scaled: as inferred,
+    but the neighbour is a loss above R or a win below it, where only its measured gain carried along the
+    model's shape decides (`DraftGate.scaled`)."""
     model, prompt = tiny
     law = _exact_law(model, prompt)
     if kind in ("cost", "gap", "catch-up"):
@@ -322,9 +324,9 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
 
     if kind in ("gap", "catch-up"):  # gap: probe_gap(R) = ceil(0.2 s x SPS(R) / 6.0): 3-4 plain rounds
         gate = policies.DraftGate(cost, 4, max_interval=4 if kind == "gap" else 8, overhead=6.0, min_rounds=0)
-    elif kind in ("timed", "lone", "inferred"):
+    elif kind in ("timed", "lone", "inferred", "scaled"):
         cost, policy = KNEE, policies.make_policy("greedy", KNEE)  # the model alone: drafting always pays
-        gate = policies.DraftGate(cost, 4, max_interval=4, min_rounds=10**9 if kind == "inferred" else 2)
+        gate = policies.DraftGate(cost, 4, max_interval=4, min_rounds=2 if kind in ("timed", "lone") else 10**9)
         timed = gate.timed
         total = [0]  # tokens emitted so far
 
@@ -333,15 +335,19 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
             timed(R, drafted, n, n / R * (0.5 if total[0] < 8000 else 3.0) if drafted else 1.0, catch_up_s)
             if kind == "inferred":  # a loss measured at R = 2, or a win at a load above any here
                 gate.verdicts = {2: False} if total[0] % 2 else {10**6: True}
+            if kind == "scaled":  # a loss by 10x at a load above any here, or a win by 10x at R = 2
+                gate.verdicts, gate.gains = ({10**6: False}, {10**6: 0.1}) if total[0] % 2 else ({2: True}, {2: 10.0})
 
         gate.timed = fake_timed
         measured, verdicts = gate.measured, []  # the measured verdicts the gate drew
         gate.measured = lambda R, own=None: verdicts.append(measured(R, own)) or verdicts[-1]
         inferred, inferences = gate.inferred, []  # the neighbours' verdicts it drew
         gate.inferred = lambda R: inferences.append(inferred(R)) or inferences[-1]
+        scaled, carried = gate.scaled, []  # those drawn from a neighbour's gain
+        gate.scaled = lambda R: carried.append(scaled(R)) or carried[-1]
     else:
         gate = policies.DraftGate(cost, 4, max_interval=1, min_rounds=0)
-    if kind not in ("timed", "lone", "inferred"):  # the model's decisions alone (min_rounds 0): no wall clock
+    if kind not in ("timed", "lone", "inferred", "scaled"):  # the model's decisions alone (min_rounds 0): no wall clock
         gate.timed = lambda R, drafted, tokens, seconds, catch_up_s=0.0: None
     R = 1 if kind == "lone" else 256
     dec = SpeculativeDecoder(model, PerturbedTarget(model, 4), gamma=4, policy=policy, max_slots=R, gate=gate)
@@ -360,7 +366,11 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     )
     # lone: a new request's probes wait their price (probe_gap) once drafting was measured to lose
     low, high = (
-        (0.6, 0.9) if kind in ("gap", "catch-up") else (0.2, 0.8) if kind in ("lone", "inferred") else (0.2, 0.6)
+        (0.6, 0.9)
+        if kind in ("gap", "catch-up")
+        else (0.2, 0.8)
+        if kind in ("lone", "inferred", "scaled")
+        else (0.2, 0.6)
     )
     assert low < skipped < high and any(r.verified == 4 for r in rounds)  # both kinds of round happened
     assert all(r.verified == 0 and r.conf_logit is None for r in rounds if not r.drafted)
@@ -373,9 +383,10 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         print(f"[exactness] measured verdicts: {collections.Counter(verdicts)}")
         assert min(gate.speed(R, drafted)[1] for drafted in (True, False)) >= 2
         assert {True, False} <= set(verdicts)  # both ways: drafting followed the emitted tokens' parity
-    if kind == "inferred":  # R = 256 was never measured: the neighbours' verdicts decided, both ways
+    if kind in ("inferred", "scaled"):  # R = 256 was never measured: the neighbours decided, both ways
         print(f"[exactness] inferred verdicts: {collections.Counter(inferences)}")
         assert gate.measured(256) is None and {True, False} <= set(inferences)
+        assert {True, False} <= set(carried) if kind == "scaled" else not carried
     assert power >= 0.9 and p_value > 1e-3, p_value
 
 

@@ -218,7 +218,8 @@ def test_the_draft_gate_follows_what_rounds_took_over_its_model():
 def test_where_r_was_not_measured_the_nearest_measured_load_decides():
     """Drafting's gain shrinks as load grows: a loss measured at the nearest R' < R holds at R, and such an R
     is probed at the probes' price instead of drafting every other round until measured; a win at the
-    nearest R' > R holds at R; neither or both (noise): the model. R's own measurement then decides."""
+    nearest R' > R holds at R; both (noise): the model; neither: the nearest measured gain, carried along
+    the model's shape (the next test). R's own measurement then decides."""
 
     def timed(gate, R, drafted_tokens, drafted_s, n=2):  # n plain rounds (R tokens in 10 ms) and n drafted
         for drafted, tokens, seconds in [(False, R, 0.01)] * n + [(True, drafted_tokens, drafted_s)] * n:
@@ -230,7 +231,9 @@ def test_where_r_was_not_measured_the_nearest_measured_load_decides():
     assert gate.drafting_pays(8) and gate.inferred(8) is None
     timed(gate, 2, 4, 0.03)  # at R = 2: 133 tokens/s drafted against 200 plain
     assert gate.verdicts == {2: False} and gate.inferred(8) is False and not gate.drafting_pays(8)
-    assert gate.inferred(1) is None and gate.drafting_pays(1)  # below the loss: nothing holds, the model says draft
+    assert gate.gains == {2: pytest.approx(2 / 3)}
+    # below the loss the order of loads says nothing; R = 2's gain carries along the model: 2/3 x 4.55 / 4.17
+    assert gate.model_gain(1) / gate.model_gain(2) == pytest.approx(1.091, abs=1e-3) and gate.inferred(1) is False
     # R = 8 is probed at its price: a drafting round for 8 requests (8 ms) is 2% of 40 plain rounds of 10 ms,
     # capped at max_interval: after 8 of them (not every other round, as an R that nothing is known of)
     assert [gate(8) for _ in range(9)] == [False] * 8 + [True]
@@ -244,8 +247,36 @@ def test_where_r_was_not_measured_the_nearest_measured_load_decides():
     timed(slow, 8, 24, 0.02)
     assert slow.inferred(4) is True and slow.drafting_pays(4) and slow(4)
     timed(slow, 6, 6, 0.02)  # a loss at R = 6: the nearest measured load above R = 4 now loses, below none
-    assert slow.inferred(4) is None and not slow.drafting_pays(4)  # the model again
-    assert slow.inferred(7) is None and slow.inferred(9) is None  # a loss at 6 below a win at 8: no inference
+    assert slow.inferred(4) is False and not slow.drafting_pays(4)  # R = 6's gain, 0.5, carried to R = 4
+    assert slow.inferred(7) is None  # a loss at 6 below a win at 8: noise, the model
+    assert slow.inferred(9) is True  # a win below: the order says nothing, R = 8's gain (1.5) carries
+
+
+def test_a_measured_gain_carries_to_loads_not_measured_along_the_models_shape():
+    """Where the order of loads says nothing (a loss above R, a win below it), the gain g = drafted / plain
+    tokens/s measured at the nearest R' carries to R as g(R') m(R) / m(R'), m the model's gain: the
+    model's error, a factor that varies little between neighbouring loads, is fixed by the measurement.
+    Beyond 10% of 1 it decides, within it the model and the probes do. Here drafting costs t_d = 1 ms at
+    R = 1 to 50 ms at 16 and every draft is accepted: the model's gain falls from 4.5 at R = 1 to 0.83 at
+    16, where drafting is measured at half the plain rate (the model was 1.7x too hopeful)."""
+    sps = SPSTable([1, 128], [100.0, 100.0], draft_batch=[1, 16], draft_s=[0.001, 0.05])
+    gate = DraftGate(sps, gamma=4, max_interval=8, min_rounds=2)
+    gate.observe([4], [4])
+    for drafted, tokens, seconds in [(False, 16, 0.01)] * 2 + [(True, 40, 0.05)] * 2:  # 800 tokens/s against 1600
+        gate.timed(16, drafted, tokens, seconds)
+    assert gate.verdicts == {16: False} and gate.state()["gains"] == {"16": pytest.approx(0.5)}
+    assert gate.model_gain(16) == pytest.approx(80 / 0.06 / 1600)
+    assert gate.model_gain(15) / gate.model_gain(16) == pytest.approx(1.057, abs=1e-3)
+    assert gate.inferred(15) is False and not gate.drafting_pays(15)  # 0.53: the loss holds one request down
+    assert gate.model_gain(7) / gate.model_gain(16) == pytest.approx(1.961, abs=1e-3)
+    assert gate.inferred(7) is None  # 0.98: within the margin, the model decides (it says draft)
+    assert gate.drafting_pays(7)
+    assert gate.inferred(2) is True  # 2.1: drafting pays at two requests
+    # R = 15 is probed at the probes' price, not every other round as an R nothing is known of
+    assert not any(gate(15) for _ in range(8))
+    # a margin of 0: every carried gain decides
+    gate.margin = 0.0
+    assert gate.inferred(7) is False
 
 
 def test_drafted_rounds_are_charged_the_prompt_reading_per_output_token():

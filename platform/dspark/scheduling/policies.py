@@ -216,7 +216,9 @@ class DraftGate:
     Until then a neighbour's verdict decides where there is one (`inferred`: drafting's gain shrinks as
     load grows, so a loss measured at the nearest R' < R holds at R, and a win at the nearest R' > R; not
     R' = 1, where one request's acceptance decides, which says more about that request than about the
-    load), and such an R is probed at the probes' price, not every other round: a server whose load ramps
+    load); where neither holds, the nearest measured gain carried to R along the model's shape, beyond
+    `margin` (`scaled`: a loss measured at R' = 16 by 4x holds at R = 15 as well, though 15 < 16). Such an
+    R is probed at the probes' price, not every other round: a server whose load ramps
     through many R (the tail of a burst, C = 16 falling to 1) does not draft at a loss at each while
     measuring it (at T=1 on the built-in target, drafting at R = 5-15 took 1.1 s beyond plain rounds in one
     serve_load run, against 0.7 s at R = 1-4). Else the model decides, its rounds priced with the measured cost of a
@@ -250,18 +252,20 @@ class DraftGate:
         min_rounds=4,
         z=0.0,
         window=200,
+        margin=0.1,
     ):
         self.sps, self.max_interval, self.weight, self.overhead = sps, max_interval, weight, overhead
-        self.min_rounds, self.z, self.window = min_rounds, z, window
+        self.min_rounds, self.z, self.window, self.margin = min_rounds, z, window, margin
         self.alpha = np.zeros(gamma)
         self.rounds = np.zeros(gamma)  # drafted rounds that measured alpha_j
         self.seen = False  # a drafted round has been observed
         self.idle = False  # the latest drafted round verified nothing
         self.interval: dict[int, int] = {}  # R -> plain rounds the next probe at R waits: 1, 2, 4, .. max_interval
         self.skipped: dict[int, int] = {}  # R -> plain rounds at R since its last drafted round
-        self.pays: dict[int, bool] = {}  # draft_pays(alpha, R, o(R)) by R, until alpha or o(R) next changes
+        self.gain_model: dict[int, float] = {}  # m(R) (`model_gain`), until alpha, kappa or o(R) next changes
         self.rounds_timed: dict[tuple[int, bool], RoundTimes] = {}  # (R, drafted) -> what those rounds took
         self.verdicts: dict[int, bool] = {}  # R > 1 -> the server's measured verdict there (`measured(R)`)
+        self.gains: dict[int, float] = {}  # R > 1 -> measured drafted / plain tokens/s there, with its verdict
         self.since_plain: dict[int, int] = {}  # R -> drafted rounds since a plain round was timed at R
         self.totals: dict[tuple[int, bool], tuple] = {}  # (R, drafted) -> rounds, tokens, s, catch-up s
         self.accepted, self.request_rounds = 0.0, 0  # the server's mean accepted drafts per request and drafted round
@@ -323,20 +327,40 @@ class DraftGate:
             verdict = self.inferred(R)
         if verdict is not None:
             return verdict
-        if R not in self.pays:
-            self.pays[R] = draft_pays(self.alpha, R, self.sps, self.overhead_s(R), self.prompt_s_per_token())
-        return self.pays[R]
+        return self.model_gain(R) > 1.0
 
     def inferred(self, R: int) -> bool | None:
         """Drafting's verdict at R from the nearest R' > 1 with a measured one: per request, a drafted round
         verifies 1 + l tokens where a plain one verifies 1, and the cost of verifying more, like drafting
         for more requests, grows with the batch, so the gain shrinks as R grows (the paper's premise). A
-        loss at the nearest R' < R: False; a win at the nearest R' > R: True; neither, or both (noise): None."""
+        loss at the nearest R' < R: False; a win at the nearest R' > R: True; both (noise): None; neither:
+        the nearest measured gain carried along the model (`scaled`)."""
         below = max((r for r in self.verdicts if r < R), default=None)
         above = min((r for r in self.verdicts if r > R), default=None)
         loses = below is not None and not self.verdicts[below]
         wins = above is not None and self.verdicts[above]
-        return None if loses == wins else wins
+        if loses != wins:
+            return wins
+        return None if loses else self.scaled(R)
+
+    def scaled(self, R: int) -> bool | None:
+        """Drafting's verdict at R from the nearest R' > 1 with a measured gain g(R') (drafted / plain
+        tokens/s), carried along the model's shape: g(R) ~ g(R') m(R) / m(R'), with m the model's gain
+        (`draft_rate` / plain rate, the measured alpha and o(R)). The model errs by a factor that varies
+        little between neighbouring loads, the measurement fixes the factor. Beyond `margin` of 1 it
+        decides; within it (or with nothing measured): None."""
+        if not self.gains:
+            return None
+        near = min(self.gains, key=lambda r: (abs(r - R), r))
+        g = self.gains[near] * self.model_gain(R) / self.model_gain(near)
+        return False if g < 1 - self.margin else True if g > 1 + self.margin else None
+
+    def model_gain(self, R: int) -> float:
+        """m(R): the model's drafted / plain tokens/s at R (`draft_rate` against Theta_0; > 1: `draft_pays`)."""
+        if R not in self.gain_model:
+            o, kappa = self.overhead_s(R), self.prompt_s_per_token()
+            self.gain_model[R] = draft_rate(self.alpha, R, self.sps, o, kappa) / rate(R, R, self.sps, o)
+        return self.gain_model[R]
 
     def overhead_s(self, R: int) -> float:
         """o(R): what a plain round at R took beyond its profiled forward pass, 1/SPS(R), once `min_rounds`
@@ -360,7 +384,7 @@ class DraftGate:
         """A drafted round: request r verified verified[r] drafts and accepted accepted[r] of them."""
         l, n = np.asarray(verified), np.asarray(accepted)
         self.seen, self.idle = True, not l.any()
-        self.pays.clear()
+        self.gain_model.clear()
         for a in accepted:
             self.request_rounds += 1
             self.accepted = running_average(self.accepted, self.request_rounds, a, self.weight)
@@ -378,7 +402,7 @@ class DraftGate:
         w = 1 / self.window
         self.prompt_tokens = running_average(self.prompt_tokens, self.ended, prompt_tokens, w)
         self.output_tokens = running_average(self.output_tokens, self.ended, output_tokens, w)
-        self.pays.clear()  # the model's price of drafting moved
+        self.gain_model.clear()  # the model's price of drafting moved
 
     def prompt_s_per_token(self) -> float:
         """kappa = t_e * P / O: where every round drafts, the drafter reads each request's prompt once (t_e
@@ -397,10 +421,11 @@ class DraftGate:
         charged = seconds + self.prompt_s_per_token() * tokens if drafted else seconds
         self.rounds_timed.setdefault((R, drafted), RoundTimes(1 / self.window)).add(tokens, charged)
         if not drafted:
-            self.pays.pop(R, None)  # o(R) moved
+            self.gain_model.pop(R, None)  # o(R) moved
         self.since_plain[R] = self.since_plain.get(R, 0) + 1 if drafted else 0
         if R > 1 and (verdict := self.measured(R)) is not None:  # R = 1: one request's acceptance decides
             self.verdicts[R] = verdict
+            self.gains[R] = self.speed(R, True)[0] / self.speed(R, False)[0]
 
     def speed(self, R: int, drafted: bool) -> tuple[float, int]:
         """Measured tokens/s of drafted (or plain) rounds at R, and how many rounds were timed."""
@@ -408,7 +433,8 @@ class DraftGate:
         return (times.rate, times.n) if times else (0.0, 0)
 
     def state(self) -> dict:
-        """What the gate decides from (alpha, the prompt charge kappa, the measured tokens/s per R) and, per R,
+        """What the gate decides from (alpha, the prompt charge kappa, the measured tokens/s per R, the
+        measured gains that other loads' verdicts are carried from) and, per R,
         what every round of each kind took over the run, the catch-up that timing leaves out included (for
         the engine's state)."""
         speeds: dict[str, dict] = {}
@@ -427,6 +453,7 @@ class DraftGate:
             "alpha": self.alpha.round(4).tolist(),
             "prompt_s_per_token": self.prompt_s_per_token(),
             "speed": speeds,
+            "gains": {str(R): g for R, g in sorted(dict(self.gains).items())},
             "run": run,
         }
 
