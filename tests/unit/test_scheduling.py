@@ -232,8 +232,9 @@ def test_where_r_was_not_measured_the_nearest_measured_load_decides():
     timed(gate, 2, 4, 0.03)  # at R = 2: 133 tokens/s drafted against 200 plain
     assert gate.verdicts == {2: False} and gate.inferred(8) is False and not gate.drafting_pays(8)
     assert gate.gains == {2: pytest.approx(2 / 3)}
-    # below the loss the order of loads says nothing; R = 2's gain carries along the model: 2/3 x 4.55 / 4.17
-    assert gate.model_gain(1) / gate.model_gain(2) == pytest.approx(1.091, abs=1e-3) and gate.inferred(1) is False
+    # below the loss the order of loads says nothing, and R = 2's gain is not carried to R = 1, where one
+    # request's acceptance decides: the model says draft
+    assert gate.inferred(1) is None and gate.drafting_pays(1)
     # R = 8 is probed at its price: a drafting round for 8 requests (8 ms) is 2% of 40 plain rounds of 10 ms,
     # capped at max_interval: after 8 of them (not every other round, as an R that nothing is known of)
     assert [gate(8) for _ in range(9)] == [False] * 8 + [True]
@@ -254,8 +255,9 @@ def test_where_r_was_not_measured_the_nearest_measured_load_decides():
 
 def test_a_measured_gain_carries_to_loads_not_measured_along_the_models_shape():
     """Where the order of loads says nothing (a loss above R, a win below it), the gain g = drafted / plain
-    tokens/s measured at the nearest R' carries to R as g(R') m(R) / m(R'), m the model's gain: the
-    model's error, a factor that varies little between neighbouring loads, is fixed by the measurement.
+    tokens/s measured at the nearest R' carries to R as g(R') m(R) / m(R'), m the model's gain (priced
+    without o at both loads): the model's error, a factor that varies little between neighbouring loads,
+    is fixed by the measurement.
     Beyond 10% of 1 it decides, within it the model and the probes do. Here drafting costs t_d = 1 ms at
     R = 1 to 50 ms at 16 and every draft is accepted: the model's gain falls from 4.5 at R = 1 to 0.83 at
     16, where drafting is measured at half the plain rate (the model was 1.7x too hopeful)."""
@@ -277,6 +279,10 @@ def test_a_measured_gain_carries_to_loads_not_measured_along_the_models_shape():
     # a margin of 0: every carried gain decides
     gate.margin = 0.0
     assert gate.inferred(7) is False
+    assert gate.inferred(1) is None  # but never at one request, where that request's acceptance decides
+    assert gate.inferred(17) is False  # above a loss: the order of loads
+    gate.verdicts[16] = True  # a win by the benefit of the doubt (z > 0) with a gain below 1: nothing to carry
+    assert gate.inferred(17) is None
 
 
 def test_drafted_rounds_are_charged_the_prompt_reading_per_output_token():

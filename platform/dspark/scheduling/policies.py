@@ -130,9 +130,14 @@ def draft_rate(alpha: np.ndarray, R: int, sps: SPSTable, overhead_s: float = 0.0
     return max(rate(float(t), R * (2 + j), sps, t_d + overhead_s + prompt_s * t) for j, t in enumerate(tau))
 
 
+def draft_gain(alpha: np.ndarray, R: int, sps: SPSTable, overhead_s: float = 0.0, prompt_s: float = 0.0) -> float:
+    """m(R): drafting's predicted tokens/s over plain target decoding's, Theta_0 = R / (o + 1/SPS(R))."""
+    return draft_rate(alpha, R, sps, overhead_s, prompt_s) / rate(R, R, sps, overhead_s)
+
+
 def draft_pays(alpha: np.ndarray, R: int, sps: SPSTable, overhead_s: float = 0.0, prompt_s: float = 0.0) -> bool:
-    """Drafting is expected to beat plain target decoding, Theta_0 = R / (o + 1/SPS(R))."""
-    return draft_rate(alpha, R, sps, overhead_s, prompt_s) > rate(R, R, sps, overhead_s)
+    """Drafting is expected to beat plain target decoding."""
+    return draft_gain(alpha, R, sps, overhead_s, prompt_s) > 1.0
 
 
 def running_average(old: float, n: int, x: float, weight: float) -> float:
@@ -210,15 +215,15 @@ class DraftGate:
     unlucky drafted rounds (a drafted round emits 1 to gamma + 1 tokens per request) that stop drafting
     which pays are outvoted by the probes that follow. z = 0 by default: with 1, drafting that lost 10% per
     round at four SmolLM2 requests went on in 10% of their rounds (86 of 882: 50 on a verdict within the
-    noise, 36 probes), against 3% with 0 (28 of 913: 12 and 16); on `bench/gate_sim.py` the worst case
+    noise, 36 probes), against 3% with 0 (28 of 913: 12 and 16); on `bench/gate_sim.py` the worst single-load case
     rises from 0.963 to 0.968 of the better fixed choice, the price being a wider tail where drafting wins
     by 10% (10th percentile 0.898 against 0.928).
     Until then a neighbour's verdict decides where there is one (`inferred`: drafting's gain shrinks as
     load grows, so a loss measured at the nearest R' < R holds at R, and a win at the nearest R' > R; not
     R' = 1, where one request's acceptance decides, which says more about that request than about the
-    load); where neither holds, the nearest measured gain carried to R along the model's shape, beyond
-    `margin` (`scaled`: a loss measured at R' = 16 by 4x holds at R = 15 as well, though 15 < 16). Such an
-    R is probed at the probes' price, not every other round: a server whose load ramps
+    load); where neither holds, the nearest measured gain carried to R along the model's shape decides
+    beyond `margin` (`scaled`: a loss measured at R' = 16 by 4x holds at R = 15 as well, though 15 < 16).
+    An R with such a verdict is probed at the probes' price, not every other round: a server whose load ramps
     through many R (the tail of a burst, C = 16 falling to 1) does not draft at a loss at each while
     measuring it (at T=1 on the built-in target, drafting at R = 5-15 took 1.1 s beyond plain rounds in one
     serve_load run, against 0.7 s at R = 1-4). Else the model decides, its rounds priced with the measured cost of a
@@ -262,10 +267,13 @@ class DraftGate:
         self.idle = False  # the latest drafted round verified nothing
         self.interval: dict[int, int] = {}  # R -> plain rounds the next probe at R waits: 1, 2, 4, .. max_interval
         self.skipped: dict[int, int] = {}  # R -> plain rounds at R since its last drafted round
-        self.gain_model: dict[int, float] = {}  # m(R) (`model_gain`), until alpha, kappa or o(R) next changes
+        # the model's gain m(R) by R, priced with o(R) (`model_gain`) and with o = 0 (`scaled`'s shape), until
+        # alpha, kappa or o(R) next changes
+        self.model_gains: dict[int, float] = {}
+        self.shape_gains: dict[int, float] = {}
         self.rounds_timed: dict[tuple[int, bool], RoundTimes] = {}  # (R, drafted) -> what those rounds took
         self.verdicts: dict[int, bool] = {}  # R > 1 -> the server's measured verdict there (`measured(R)`)
-        self.gains: dict[int, float] = {}  # R > 1 -> measured drafted / plain tokens/s there, with its verdict
+        self.gains: dict[int, float] = {}  # R > 1 -> measured drafted / plain tokens/s there, beside its verdict
         self.since_plain: dict[int, int] = {}  # R -> drafted rounds since a plain round was timed at R
         self.totals: dict[tuple[int, bool], tuple] = {}  # (R, drafted) -> rounds, tokens, s, catch-up s
         self.accepted, self.request_rounds = 0.0, 0  # the server's mean accepted drafts per request and drafted round
@@ -344,23 +352,33 @@ class DraftGate:
         return None if loses else self.scaled(R)
 
     def scaled(self, R: int) -> bool | None:
-        """Drafting's verdict at R from the nearest R' > 1 with a measured gain g(R') (drafted / plain
-        tokens/s), carried along the model's shape: g(R) ~ g(R') m(R) / m(R'), with m the model's gain
-        (`draft_rate` / plain rate, the measured alpha and o(R)). The model errs by a factor that varies
-        little between neighbouring loads, the measurement fixes the factor. Beyond `margin` of 1 it
-        decides; within it (or with nothing measured): None."""
-        if not self.gains:
+        """Drafting's verdict at R > 1 from the nearest R' > 1 with a measured gain g(R') (drafted / plain
+        tokens/s; of two as near, the smaller), carried along the model's shape: g(R) ~ g(R') m(R) / m(R'),
+        m the model's gain (`draft_gain` with the measured alpha), both loads priced without o, which the
+        measured gain carries. The model errs by a factor that varies little between neighbouring loads; the
+        measurement fixes the factor. Beyond `margin` of 1 it decides; within it, with nothing measured, at
+        R = 1 (one request's acceptance decides there), or where R''s gain and verdict disagree (z > 0): None."""
+        if R == 1 or not self.gains:
             return None
         near = min(self.gains, key=lambda r: (abs(r - R), r))
-        g = self.gains[near] * self.model_gain(R) / self.model_gain(near)
-        return False if g < 1 - self.margin else True if g > 1 + self.margin else None
+        if (self.gains[near] > 1) != self.verdicts[near]:
+            return None
+        for r in (R, near):
+            if r not in self.shape_gains:
+                self.shape_gains[r] = draft_gain(self.alpha, r, self.sps, 0.0, self.prompt_s_per_token())
+        g = self.gains[near] * self.shape_gains[R] / self.shape_gains[near]
+        if g < 1 - self.margin:
+            return False
+        if g > 1 + self.margin:
+            return True
+        return None
 
     def model_gain(self, R: int) -> float:
-        """m(R): the model's drafted / plain tokens/s at R (`draft_rate` against Theta_0; > 1: `draft_pays`)."""
-        if R not in self.gain_model:
+        """m(R) priced with o(R), the measured alpha and kappa (> 1: `draft_pays`)."""
+        if R not in self.model_gains:
             o, kappa = self.overhead_s(R), self.prompt_s_per_token()
-            self.gain_model[R] = draft_rate(self.alpha, R, self.sps, o, kappa) / rate(R, R, self.sps, o)
-        return self.gain_model[R]
+            self.model_gains[R] = draft_gain(self.alpha, R, self.sps, o, kappa)
+        return self.model_gains[R]
 
     def overhead_s(self, R: int) -> float:
         """o(R): what a plain round at R took beyond its profiled forward pass, 1/SPS(R), once `min_rounds`
@@ -384,7 +402,8 @@ class DraftGate:
         """A drafted round: request r verified verified[r] drafts and accepted accepted[r] of them."""
         l, n = np.asarray(verified), np.asarray(accepted)
         self.seen, self.idle = True, not l.any()
-        self.gain_model.clear()
+        self.model_gains.clear()
+        self.shape_gains.clear()
         for a in accepted:
             self.request_rounds += 1
             self.accepted = running_average(self.accepted, self.request_rounds, a, self.weight)
@@ -402,7 +421,8 @@ class DraftGate:
         w = 1 / self.window
         self.prompt_tokens = running_average(self.prompt_tokens, self.ended, prompt_tokens, w)
         self.output_tokens = running_average(self.output_tokens, self.ended, output_tokens, w)
-        self.gain_model.clear()  # the model's price of drafting moved
+        self.model_gains.clear()  # the model's price of drafting moved
+        self.shape_gains.clear()
 
     def prompt_s_per_token(self) -> float:
         """kappa = t_e * P / O: where every round drafts, the drafter reads each request's prompt once (t_e
@@ -421,7 +441,7 @@ class DraftGate:
         charged = seconds + self.prompt_s_per_token() * tokens if drafted else seconds
         self.rounds_timed.setdefault((R, drafted), RoundTimes(1 / self.window)).add(tokens, charged)
         if not drafted:
-            self.gain_model.pop(R, None)  # o(R) moved
+            self.model_gains.pop(R, None)  # o(R) moved
         self.since_plain[R] = self.since_plain.get(R, 0) + 1 if drafted else 0
         if R > 1 and (verdict := self.measured(R)) is not None:  # R = 1: one request's acceptance decides
             self.verdicts[R] = verdict
