@@ -306,9 +306,10 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     every request): each request is new traffic until drafted for twice (its probes wait their price), and
     the verdict reads its own accepted drafts. inferred: as timed, but R = 256 is never measured itself
     (min_rounds out of reach) and a neighbouring load's verdict decides (`DraftGate.inferred`): a loss
-    below R or a win above it, whichever the parity of the tokens emitted so far says. scaled: as inferred,
-    but the neighbour is a loss above R or a win below it, where only its measured gain carried along the
-    model's shape decides (`DraftGate.scaled`)."""
+    below R or a win above it, whichever the parity of (tokens emitted so far) // 5 says (a plain round
+    at R = 256 keeps the parity of the count itself). scaled: as inferred, but the neighbour is a loss
+    above R or a win below it, where only its measured gain carried along the model's shape decides
+    (`DraftGate.scaled`)."""
     model, prompt = tiny
     law = _exact_law(model, prompt)
     if kind in ("cost", "gap", "catch-up"):
@@ -334,9 +335,11 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
             total[0] += n  # (by `total`)
             timed(R, drafted, n, n / R * (0.5 if total[0] < 8000 else 3.0) if drafted else 1.0, catch_up_s)
             if kind == "inferred":  # a loss measured at R = 2, or a win at a load above any here
-                gate.verdicts = {2: False} if total[0] % 2 else {10**6: True}
+                gate.verdicts = {2: False} if total[0] // 5 % 2 else {10**6: True}
             if kind == "scaled":  # a loss by 10x at a load above any here, or a win by 10x at R = 2
-                gate.verdicts, gate.gains = ({10**6: False}, {10**6: 0.1}) if total[0] % 2 else ({2: True}, {2: 10.0})
+                gate.verdicts, gate.gains = (
+                    ({10**6: False}, {10**6: 0.1}) if total[0] // 5 % 2 else ({2: True}, {2: 10.0})
+                )
 
         gate.timed = fake_timed
         measured, verdicts = gate.measured, []  # the measured verdicts the gate drew
