@@ -215,9 +215,9 @@ class DraftGate:
     unlucky drafted rounds (a drafted round emits 1 to gamma + 1 tokens per request) that stop drafting
     which pays are outvoted by the probes that follow. z = 0 by default: with 1, drafting that lost 10% per
     round at four SmolLM2 requests went on in 10% of their rounds (86 of 882: 50 on a verdict within the
-    noise, 36 probes), against 3% with 0 (28 of 913: 12 and 16); on `bench/gate_sim.py` the worst single-load case
-    rises from 0.963 to 0.968 of the better fixed choice, the price being a wider tail where drafting wins
-    by 10% (10th percentile 0.898 against 0.928).
+    noise, 36 probes), against 3% with 0 (28 of 913: 12 and 16); on `bench/gate_sim.py` the worst
+    single-load case rises from 0.963 to 0.968 of the better fixed choice, the price being a wider tail
+    where drafting wins by 10% (10th percentile 0.898 against 0.928).
     Until then a neighbour's verdict decides where there is one (`inferred`: drafting's gain shrinks as
     load grows, so a loss measured at the nearest R' < R holds at R, and a win at the nearest R' > R; not
     R' = 1, where one request's acceptance decides, which says more about that request than about the
@@ -357,7 +357,8 @@ class DraftGate:
         m the model's gain (`draft_gain` with the measured alpha), both loads priced without o, which the
         measured gain carries. The model errs by a factor that varies little between neighbouring loads; the
         measurement fixes the factor. Beyond `margin` of 1 it decides; within it, with nothing measured, at
-        R = 1 (one request's acceptance decides there), or where R''s gain and verdict disagree (z > 0): None."""
+        R = 1 (one request's acceptance decides there), or where the neighbour's gain and verdict disagree
+        (z > 0): None."""
         if R == 1 or not self.gains:
             return None
         near = min(self.gains, key=lambda r: (abs(r - R), r))
