@@ -288,7 +288,10 @@ def test_sampling_matches_target_distribution(request, target, name, policy):
     assert p_value > 1e-3, (name, p_value, n)
 
 
-@pytest.mark.parametrize("kind", ["cost", "idle", "gap", "catch-up", "timed", "lone", "inferred", "scaled"])
+CLOCKED = ("timed", "lone", "inferred", "scaled")  # the draft gate's cases that decide from what rounds took
+
+
+@pytest.mark.parametrize("kind", ["cost", "idle", "gap", "catch-up", *CLOCKED])
 def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     """The engine's adaptive path: a DraftGate decides before each round whether to draft at all, and a
     drafted round prices its lengths with the drafting time as paid. cost: drafting costs 20 target
@@ -325,7 +328,7 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
 
     if kind in ("gap", "catch-up"):  # gap: probe_gap(R) = ceil(0.2 s x SPS(R) / 6.0): 3-4 plain rounds
         gate = policies.DraftGate(cost, 4, max_interval=4 if kind == "gap" else 8, overhead=6.0, min_rounds=0)
-    elif kind in ("timed", "lone", "inferred", "scaled"):
+    elif kind in CLOCKED:
         cost, policy = KNEE, policies.make_policy("greedy", KNEE)  # the model alone: drafting always pays
         gate = policies.DraftGate(cost, 4, max_interval=4, min_rounds=2 if kind in ("timed", "lone") else 10**9)
         timed = gate.timed
@@ -350,7 +353,7 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         gate.scaled = lambda R: carried.append(scaled(R)) or carried[-1]
     else:
         gate = policies.DraftGate(cost, 4, max_interval=1, min_rounds=0)
-    if kind not in ("timed", "lone", "inferred", "scaled"):  # the model's decisions alone (min_rounds 0): no wall clock
+    if kind not in CLOCKED:  # the model's decisions alone (min_rounds 0): no wall clock
         gate.timed = lambda R, drafted, tokens, seconds, catch_up_s=0.0: None
     R = 1 if kind == "lone" else 256
     dec = SpeculativeDecoder(model, PerturbedTarget(model, 4), gamma=4, policy=policy, max_slots=R, gate=gate)
@@ -368,9 +371,8 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         f"positions behind {min(behind)}..{max(behind)}"
     )
     # lone: a new request's probes wait their price (probe_gap) once drafting was measured to lose
-    low, high = {"gap": (0.6, 0.9), "catch-up": (0.6, 0.9)}.get(
-        kind, (0.2, 0.8) if kind in ("lone", "inferred", "scaled") else (0.2, 0.6)
-    )  # the share of rounds skipped
+    skipped_share = {"gap": (0.6, 0.9), "catch-up": (0.6, 0.9), **dict.fromkeys(CLOCKED[1:], (0.2, 0.8))}
+    low, high = skipped_share.get(kind, (0.2, 0.6))
     assert low < skipped < high and any(r.verified == 4 for r in rounds)  # both kinds of round happened
     assert all(r.verified == 0 and r.conf_logit is None for r in rounds if not r.drafted)
     if kind in ("cost", "gap"):  # the sunk drafting cost: Algorithm 1 verifies more than on the SPS curve alone
