@@ -7,7 +7,8 @@ A scenario is R requests for a number of rounds. A plain round emits R tokens in
 drafted round verifies l drafts per request, accepted one after another with the per-position acceptance
 ALPHA (R + the accepted drafts are emitted), in plain_s + extra_s seconds; every round's time carries 5%
 log-normal noise. The gate decides each round from the rounds before it (observe, timed) and from each
-request's own drafted rounds and accepted drafts, exactly as the decoder calls it. A "warm" scenario
+request's own drafted rounds and accepted drafts, exactly as the decoder calls it (and, as requests end,
+from their drafted rounds and accepted drafts: `DraftGate.finished`). A "warm" scenario
 starts from a gate that has drafted 100 rounds at R = 1 (a server whose load rose). In "traffic changes",
 requests of 50 rounds follow one another at R = 1 and the first one's drafts are almost never accepted
 (3% per position, like the MT-Bench prompt of serve_load's first user; "requests of 50": the same
@@ -89,16 +90,22 @@ def run(z, seed, R, rounds, plain_s, extra_s, l, warm, request_rounds, bad_first
     tokens = seconds = 0.0
     drafted_rounds = 0
     own = [(0, 0)] * R  # each request's drafted rounds and accepted drafts
+    rounds_of = [[] for _ in range(R)]  # each request's accepted drafts per drafted round
     for i in range(rounds):
         request = i // request_rounds if request_rounds else 0  # the R requests start and end together
         if request_rounds and i % request_rounds == 0:
-            own = [(0, 0)] * R
+            if i:  # the requests that end: how much they differ sets the weight of a request's own rounds
+                for accepted in rounds_of:
+                    gate.finished(0, request_rounds, accepted)
+            own, rounds_of = [(0, 0)] * R, [[] for _ in range(R)]
         drafted = fixed if fixed is not None else gate(R, 0, own if reads else None)
         alpha = BAD if bad_first and request == 0 else ALPHA
         v, a, t, s = one_round(rng, R, drafted, l, plain_s, extra_s, alpha)
         if drafted:
             gate.observe(v, a)
             own = [(n + 1, acc + k) for (n, acc), k in zip(own, a)]
+            for accepted, k in zip(rounds_of, a):
+                accepted.append(k)
             drafted_rounds += 1
         gate.timed(R, drafted, t, s)
         tokens, seconds = tokens + t, seconds + s

@@ -306,8 +306,9 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     "took" depends on the tokens emitted so far: half a plain round's time per token until their total
     reaches 8000, then 3x; so whether a round drafts follows earlier rounds' acceptance, and the measured
     verdict goes both ways. lone: as timed, one request at a time (R = 1, the engine's first rounds for
-    every request): each request is new traffic until drafted for twice (its probes wait their price), and
-    the verdict reads its own accepted drafts. inferred: as timed, but R = 256 is never measured itself
+    every request): where requests differ, each one's probes wait its own price, and the verdict reads its
+    own accepted drafts, weighed against the server's mean by how far the requests that ended differ
+    (`DraftGate.prior_rounds`). inferred: as timed, but R = 256 is never measured itself
     (min_rounds out of reach) and a neighbouring load's verdict decides (`DraftGate.inferred`): a loss
     below R or a win above it, whichever the parity of (tokens emitted so far) // 5 says (a plain round
     at R = 256 keeps the parity of the count itself). scaled: as inferred, but the neighbour is a loss
@@ -380,6 +381,9 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     if kind == "catch-up":  # the wait followed what the drafter had not read, and drafting's price the prompts
         assert len(gaps) >= 3 and gate.prompt_s_per_token() > 0
     assert gate.ended == sum(bool(r.rounds) for r in reqs)  # every request decoded in rounds told the gate its end
+    if kind == "lone":  # the weight of a request's own rounds was measured on the requests that ended
+        print(f"[exactness] k = {gate.prior_rounds()} from {gate.ended_drafted} requests")
+        assert gate.ended_drafted >= gate.min_rounds
     if kind in ("timed", "lone"):  # both kinds of round were timed at the full batch, and the measurement decided
         print(f"[exactness] measured verdicts: {collections.Counter(verdicts)}")
         assert min(gate.speed(R, drafted)[1] for drafted in (True, False)) >= 2

@@ -335,7 +335,7 @@ class SpeculativeDecoder:
         for r, _, new, lp in committed:
             self._commit(r, new, lp)
             if r.done and self.gate is not None:  # what a request's prompt costs drafting per output token
-                self.gate.finished(len(r.prompt), len(r.out))
+                self.gate.finished(len(r.prompt), len(r.out), [x.accepted for x in r.rounds if x.drafted])
         self.active = [r for r in reqs if not r.done]
         if self.gate is not None and self.gamma:
             seconds = time.perf_counter() - start - probe_s

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -215,9 +215,9 @@ class DraftGate:
     unlucky drafted rounds (a drafted round emits 1 to gamma + 1 tokens per request) that stop drafting
     which pays are outvoted by the probes that follow. z = 0 by default: with 1, drafting that lost 10% per
     round at four SmolLM2 requests went on in 10% of their rounds (86 of 882: 50 on a verdict within the
-    noise, 36 probes), against 3% with 0 (28 of 913: 12 and 16); on `bench/gate_sim.py` the worst
-    single-load case rises from 0.963 to 0.968 of the better fixed choice, the price being a wider tail
-    where drafting wins by 10% (10th percentile 0.898 against 0.928).
+    noise, 36 probes), against 3% with 0 (28 of 913: 12 and 16); on `bench/gate_sim.py` (before k was
+    measured) the worst single-load case rose from 0.963 to 0.968 of the better fixed choice, the price
+    being a wider tail where drafting wins by 10% (10th percentile 0.898 against 0.928).
     Until then a neighbour's verdict decides where there is one (`inferred`: drafting's gain shrinks as
     load grows, so a loss measured at the nearest R' < R holds at R, and a win at the nearest R' > R; not
     R' = 1, where one request's acceptance decides, which says more about that request than about the
@@ -235,17 +235,24 @@ class DraftGate:
     server, so when the decoder says which requests the round is for (`own`: each one's drafted rounds
     and drafts accepted in them), the measured drafted rate is that of the requests at hand: drafted
     rounds' seconds, and tokens Σ_r (1 + â_r), with â_r the request's own accepted drafts per drafted
-    round, counting the server's mean as one more round (`expected_tokens`). And a lone request (R = 1,
-    where its acceptance alone decides) drafted for fewer than `min_rounds` rounds is new traffic: its
-    probes wait their price alone (`probe_gap`), not the interval grown over earlier requests, until it
-    was. A server whose first request drafts badly then measures each new request over a few rounds (one
-    round's acceptance is mostly noise: at 0.3 per position, 70% of rounds accept nothing), instead of
-    probing ever more rarely against what the first request measured; where a drafted round costs little
-    beyond its tokens that is every other round, and where it costs several plain rounds (a drafter as
-    slow as its target) each new request's probes stay within `overhead` of its plain rounds. In a
-    batch a new request moves the expected tokens by about 1 / R of its acceptance, and the probes measure
-    it: forcing rounds for each new request there would draft at a loss wherever drafting does not pay
-    (at R = 8 on SmolLM2, 9% of rounds, each 19% slower)."""
+    round, counting the server's mean as k more rounds (`expected_tokens`). k is how far requests differ,
+    measured on the requests that ended (`prior_rounds`, empirical Bayes): about 1 or less where they
+    differ far beyond their rounds' noise (the built-in target at T=0: some prompts accept 6 drafts a
+    round, others under 1, and a request's first 4 rounds predict the rest, correlation 0.71), tens where
+    they hardly differ (T=1: 14-42) and a request's first rounds are noise, so the server's mean decides.
+    A lone request (R = 1, where its acceptance alone decides), where `min_rounds` rounds of its own
+    outweigh the server's mean (k <= min_rounds), has probes that wait its own price alone (`probe_gap`
+    with the tokens expected of it), not the interval grown over earlier requests: a new request is
+    measured over its first rounds, one whose first rounds fell short of what drafting needs, though not
+    by much, is measured again soon (at T=0 on the built-in target, requests accepting 1.6 drafts a round,
+    which drafting every round decodes about 15% faster than plain rounds, had stopped drafting after a
+    poor start: the doubling interval left them one probe in 16-64 rounds), and a server whose first
+    request drafts badly does not keep drafting off for the ones after it. Where requests are alike,
+    new ones wait the interval out like any other round: probing each for its first rounds drafted at a
+    loss in 2-3% of the rounds at T=1, 3.6-4.2% slower than plain decoding. In a batch a new request moves
+    the expected tokens by about 1 / R of its acceptance, and the probes measure it: forcing rounds for
+    each new request there would draft at a loss wherever drafting does not pay (at R = 8 on SmolLM2, 9%
+    of rounds, each 19% slower)."""
 
     def __init__(
         self,
@@ -276,7 +283,11 @@ class DraftGate:
         self.gains: dict[int, float] = {}  # R > 1 -> measured drafted / plain tokens/s there, beside its verdict
         self.since_plain: dict[int, int] = {}  # R -> drafted rounds since a plain round was timed at R
         self.totals: dict[tuple[int, bool], tuple] = {}  # (R, drafted) -> rounds, tokens, s, catch-up s
-        self.accepted, self.request_rounds = 0.0, 0  # the server's mean accepted drafts per request and drafted round
+        # the server's mean accepted drafts per request and drafted round, over the last `window` or so
+        self.accepted, self.request_rounds = 0.0, 0
+        # per ended request drafted for n >= max(min_rounds, 2) rounds, over the last `window` or so of them:
+        # its mean accepted drafts per round x, x^2, 1 / n and the variance over its rounds (`prior_rounds`)
+        self.request_moments, self.ended_drafted = np.zeros(4), 0
         self.prompt_tokens, self.output_tokens, self.ended = 0.0, 0.0, 0  # mean prompt and output of ended requests
 
     def __call__(self, R: int, behind: int = 0, own: Optional[list[tuple[int, int]]] = None) -> bool:
@@ -285,7 +296,8 @@ class DraftGate:
         (None: the server's rounds alone decide)."""
         if self.max_interval == 0 or not self.seen:
             return True
-        new = R == 1 and bool(own) and own[0][0] < self.min_rounds  # a lone request not yet drafted for enough
+        # a lone request, where min_rounds rounds of its own outweigh the server's mean: its own price decides
+        lone = R == 1 and bool(own) and self.prior_rounds() <= self.min_rounds
         if not self.idle and self.drafting_pays(R, own):
             self.interval[R], self.skipped[R] = 1, 0
             timed_plain = self.speed(R, False)[1]
@@ -295,11 +307,11 @@ class DraftGate:
         interval, skipped = self.interval.get(R, 1), self.skipped.get(R, 0)
         if self.speed(R, True)[1] < self.min_rounds and self.inferred(R) is None:  # R unknown: every other round
             wait = 1
-        elif skipped < interval and not new:  # short of the interval: no probe, whatever its price
+        elif skipped < interval and not lone:  # short of the interval: no probe, whatever its price
             wait = interval
-        else:  # a probe's price; new traffic does not wait the interval out
-            gap = self.probe_gap(R, behind)
-            wait = min(self.max_interval, gap if new else max(interval, gap))
+        else:  # a probe's price; a lone request's own does not wait the interval out
+            gap = self.probe_gap(R, behind, own if lone else None)
+            wait = min(self.max_interval, gap if lone else max(interval, gap))
         if skipped >= wait:  # a probe
             self.interval[R], self.skipped[R] = min(2 * interval, self.max_interval), 0
             return True
@@ -313,8 +325,26 @@ class DraftGate:
 
     def expected_tokens(self, own: list[tuple[int, int]]) -> float:
         """Tokens a drafted round is expected to emit for these requests (drafted rounds n_r and drafts
-        accepted A_r each): Σ_r 1 + (A_r + a) / (n_r + 1), with a the server's mean per request and round."""
-        return sum(1 + (A + self.accepted) / (n + 1) for n, A in own)
+        accepted A_r each): Σ_r 1 + (A_r + k a) / (n_r + k), with a the server's mean per request and round
+        (over the last `window` or so) and k = `prior_rounds`, written a + (A_r - n_r a) / (n_r + k) (inf: a)."""
+        k, a = self.prior_rounds(), self.accepted
+        return sum(1 + a + ((A - n * a) / (n + k) if n else 0.0) for n, A in own)
+
+    def prior_rounds(self) -> float:
+        """k, the drafted rounds of its own that weigh as much as the server's mean in a request's expected
+        acceptance: sigma^2 / tau^2, the variance of accepted drafts over one request's rounds against that
+        of the requests' true means, by the method of moments (empirical Bayes) over the ended requests drafted
+        for n >= max(min_rounds, 2) rounds: sigma^2 the mean of their variances over their rounds, and from
+        the variance of their means, S = tau^2 + sigma^2 E[1/n]. Requests that differ no more than their
+        rounds' noise says (tau^2 <= 0): inf, the server's mean alone. Until `min_rounds` (and 2) of them
+        ended: 1. The gate itself leaves requests where drafting loses drafted for few rounds, so they count
+        less often: tau^2 errs low, k high (towards the server's mean)."""
+        m = min(self.ended_drafted, 2 * self.window - 1)  # the exponential mean's effective count
+        if self.ended_drafted < max(self.min_rounds, 2) or m < 2:
+            return 1.0
+        x, xx, inv_n, sigma2 = self.request_moments
+        tau2 = (xx - x * x) * m / (m - 1) - sigma2 * inv_n
+        return sigma2 / tau2 if tau2 > 0 else math.inf
 
     def measured(self, R: int, own: Optional[list[tuple[int, int]]] = None) -> bool | None:
         """Once drafted and plain rounds at R were each timed `min_rounds` times: False when drafted ones
@@ -387,16 +417,18 @@ class DraftGate:
         plain = self.enough(R, False)
         return 0.0 if plain is None else max(plain.s - 1.0 / self.sps(R), 0.0)
 
-    def probe_gap(self, R: int, behind: int = 0) -> int:
+    def probe_gap(self, R: int, behind: int = 0, own: Optional[list[tuple[int, int]]] = None) -> int:
         """Plain rounds a probe waits at least: its catch-up and drafting round cost at most `overhead` of
         them, t_e * behind + loss(R) <= overhead * gap * s(R), with s(R) what a plain round takes (measured,
         else 1/SPS(R)) and loss(R) what a drafted round takes beyond emitting its tokens at the plain rate,
-        s_d - t_d / rate_plain (measured once both kinds were timed `min_rounds` times, else t_d(R))."""
+        s_d - t_d / rate_plain (measured once both kinds were timed `min_rounds` times, else t_d(R); with
+        `own`, t_d the tokens expected of these requests, `expected_tokens`)."""
         drafted, plain = self.enough(R, True), self.enough(R, False)
         round_s = 1.0 / self.sps(R) if plain is None else plain.s
         loss_s = self.sps.draft_time(R)
         if drafted is not None and plain is not None:
-            loss_s = max(drafted.s - drafted.t / plain.rate, 0.0)
+            tokens = drafted.t if not own else self.expected_tokens(own)
+            loss_s = max(drafted.s - tokens / plain.rate, 0.0)
         return math.ceil((self.sps.catch_up_time(behind) + loss_s) / (self.overhead * round_s))
 
     def observe(self, verified: list[int], accepted: list[int]) -> None:
@@ -407,7 +439,7 @@ class DraftGate:
         self.shape_gains.clear()
         for a in accepted:
             self.request_rounds += 1
-            self.accepted = running_average(self.accepted, self.request_rounds, a, self.weight)
+            self.accepted = running_average(self.accepted, self.request_rounds, a, 1 / self.window)
         for j in range(len(self.alpha)):
             reached = (l > j) & (n >= j)  # position j was verified and every draft before it accepted
             if reached.any():
@@ -416,8 +448,15 @@ class DraftGate:
                     self.alpha[j], self.rounds[j], float((n[reached] > j).mean()), self.weight
                 )
 
-    def finished(self, prompt_tokens: int, output_tokens: int) -> None:
-        """A request that was decoded in rounds ended with `output_tokens` after a prompt of `prompt_tokens`."""
+    def finished(self, prompt_tokens: int, output_tokens: int, accepted: Sequence[int] = ()) -> None:
+        """A request that was decoded in rounds ended with `output_tokens` after a prompt of `prompt_tokens`;
+        `accepted`: the drafts accepted in each round drafted for it."""
+        n = len(accepted)
+        if n >= max(self.min_rounds, 2):  # a mean over fewer rounds is mostly noise
+            self.ended_drafted += 1
+            x = np.asarray(accepted, dtype=np.float64)
+            moments = np.array([x.mean(), x.mean() ** 2, 1 / n, x.var(ddof=1)])
+            self.request_moments = running_average(self.request_moments, self.ended_drafted, moments, 1 / self.window)
         self.ended += 1
         w = 1 / self.window
         self.prompt_tokens = running_average(self.prompt_tokens, self.ended, prompt_tokens, w)
@@ -455,7 +494,7 @@ class DraftGate:
 
     def state(self) -> dict:
         """What the gate decides from (alpha, the prompt charge kappa, the measured tokens/s per R, the
-        measured gains that other loads' verdicts are carried from) and, per R,
+        measured gains that other loads' verdicts are carried from, the server's mean's weight k) and, per R,
         what every round of each kind took over the run, the catch-up that timing leaves out included (for
         the engine's state)."""
         speeds: dict[str, dict] = {}
@@ -475,6 +514,7 @@ class DraftGate:
             "prompt_s_per_token": self.prompt_s_per_token(),
             "speed": speeds,
             "gains": {str(R): g for R, g in sorted(dict(self.gains).items())},
+            "prior_rounds": None if math.isinf(k := self.prior_rounds()) else k,  # None: inf
             "run": run,
         }
 
