@@ -249,7 +249,7 @@ class DraftGate:
     poor start: the doubling interval left them one probe in 16-64 rounds), and a server whose first
     request drafts badly does not keep drafting off for the ones after it. Where requests are alike,
     new ones wait the interval out like any other round: probing each for its first rounds drafted at a
-    loss in 2-3% of the rounds at T=1, 3.6-4.2% slower than plain decoding. In a batch a new request moves
+    loss in 2% of the rounds at T=1, 3.6-4.3% slower than plain decoding. In a batch a new request moves
     the expected tokens by about 1 / R of its acceptance, and the probes measure it: forcing rounds for
     each new request there would draft at a loss wherever drafting does not pay (at R = 8 on SmolLM2, 9%
     of rounds, each 19% slower)."""
