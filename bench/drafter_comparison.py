@@ -26,8 +26,8 @@ Training settings: the bench's own (TRAIN_DEFAULTS: global batch 16, micro-batch
 anchors per sequence) over the --config file's; --set overrides both.
 
 Variants: eagle3 (1 layer), dflash (2 layers), dflash5 (5 layers), dspark (2 layers, vanilla Markov),
-dspark5 (5 layers, the paper's), dspark_rnn, dspark_gated, and the same names with suffix _g15 (trained and drafted at gamma=15),
-_fp8 (trained on --fp8-cache), _code (trained on the cache's code rows only: a drafter whose
+dspark5 (5 layers, the paper's), dspark_rnn, dspark_gated, and the same names with suffix _g15 (trained and
+drafted at gamma=15), _fp8 (trained on --fp8-cache), _code (trained on the cache's code rows only: a drafter whose
 confidences shift when traffic turns to prose), _kl (DSpark with KL(p_t||p_d) in place of the L1
 term: an ablation). Prints a tau table with ratios next to the paper's.
 """
