@@ -89,7 +89,6 @@ def run(z, seed, R, rounds, plain_s, extra_s, l, warm, request_rounds, bad_first
             gate.timed(1, True, t, s)
     tokens = seconds = 0.0
     drafted_rounds = 0
-    own = [(0, 0)] * R  # each request's drafted rounds and accepted drafts
     rounds_of = [[] for _ in range(R)]  # each request's accepted drafts per drafted round
     for i in range(rounds):
         request = i // request_rounds if request_rounds else 0  # the R requests start and end together
@@ -97,13 +96,13 @@ def run(z, seed, R, rounds, plain_s, extra_s, l, warm, request_rounds, bad_first
             if i:  # the requests that end: how much they differ sets the weight of a request's own rounds
                 for accepted in rounds_of:
                     gate.finished(0, request_rounds, accepted)
-            own, rounds_of = [(0, 0)] * R, [[] for _ in range(R)]
+            rounds_of = [[] for _ in range(R)]
+        own = [(len(accepted), sum(accepted)) for accepted in rounds_of]  # drafted rounds, accepted drafts
         drafted = fixed if fixed is not None else gate(R, 0, own if reads else None)
         alpha = BAD if bad_first and request == 0 else ALPHA
         v, a, t, s = one_round(rng, R, drafted, l, plain_s, extra_s, alpha)
         if drafted:
             gate.observe(v, a)
-            own = [(n + 1, acc + k) for (n, acc), k in zip(own, a)]
             for accepted, k in zip(rounds_of, a):
                 accepted.append(k)
             drafted_rounds += 1

@@ -146,14 +146,19 @@ def running_average(old: float, n: int, x: float, weight: float) -> float:
     return old + max(weight, 1 / n) * (x - old)
 
 
+def effective_count(n: int, weight: float) -> float:
+    """How many values a `running_average` of n values is worth: n during the running mean, then
+    (2 - weight) / weight (an exponential mean's variance is weight / (2 - weight) of one value's)."""
+    return n if n <= 1 / weight else (2 - weight) / weight
+
+
 class RoundTimes:
     """What rounds of one kind took: tokens t and seconds s per round, their means, mean squares and mean
     product, each the running mean for the first 1 / weight rounds, then exponential (weight). The rate
     is the ratio of the means, t̄ / s̄ (the rounds together: a short round's jitter does not weigh more),
     and its standard error the delta method's,
         se² = (var t - 2 rate cov(t, s) + rate² var s) / (s̄² n_eff),
-    with n_eff = n during the running mean and (2 - weight) / weight after (an exponential mean's
-    variance is weight / (2 - weight) of one round's)."""
+    with n_eff the averages' `effective_count`."""
 
     def __init__(self, weight: float):
         self.weight, self.n = weight, 0
@@ -173,8 +178,7 @@ class RoundTimes:
     def rate_se(self) -> float:
         if self.n < 2:
             return math.inf
-        w = self.weight
-        n_eff = self.n if self.n <= 1 / w else (2 - w) / w
+        n_eff = effective_count(self.n, self.weight)
         bessel = n_eff / (n_eff - 1)  # the sample moments' bias
         var_t, var_s = (self.tt - self.t**2) * bessel, (self.ss - self.s**2) * bessel
         cov = (self.ts - self.t * self.s) * bessel
@@ -339,7 +343,7 @@ class DraftGate:
         rounds' noise says (tau^2 <= 0): inf, the server's mean alone. Until `min_rounds` (and 2) of them
         ended: 1. The gate itself leaves requests where drafting loses drafted for few rounds, so they count
         less often: tau^2 errs low, k high (towards the server's mean)."""
-        m = min(self.ended_drafted, 2 * self.window - 1)  # the exponential mean's effective count
+        m = effective_count(self.ended_drafted, 1 / self.window)
         if self.ended_drafted < max(self.min_rounds, 2) or m < 2:
             return 1.0
         x, xx, inv_n, sigma2 = self.request_moments
