@@ -13,7 +13,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 
 from dspark.config import load_config
-from dspark.decoding.events import Done, Error, Text, coalesce
+from dspark.decoding.events import Done, Error, Text, coalesce, position_counts
 from dspark.errors import UserError
 from serving import app as serving
 
@@ -376,6 +376,13 @@ def test_coalesce_merges_adjacent_texts_and_their_logprobs_only():
     assert merged == [Text("ab", LP + [END]), DONE_LP]
     assert coalesce([Text("a"), Text("b")]) == [Text("ab")]  # no logprobs asked for: still None
     assert coalesce([Error("x")]) == [Error("x")] and coalesce([]) == []
+
+
+def test_position_counts_count_the_rounds_that_verified_and_accepted_each_draft():
+    """What a request's Done statistics and the server's per-position counters add up (l, n per round)."""
+    rounds = [SimpleNamespace(verified=l, accepted=n) for l, n in [(3, 1), (0, 0), (2, 2), (4, 0)]]
+    assert position_counts(rounds) == ([3, 3, 2, 1], [2, 1, 0, 0])
+    assert position_counts([]) == ([], []) and position_counts(rounds[1:2]) == ([], [])
 
 
 class Feed:

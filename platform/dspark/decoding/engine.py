@@ -29,7 +29,7 @@ import torch
 
 from dspark.calibration.sts import Calibration
 from dspark.decoding.detok import Detokenizer
-from dspark.decoding.events import MAX_LOGPROBS, Done, Error, Event, Text
+from dspark.decoding.events import MAX_LOGPROBS, Done, Error, Event, Text, position_counts
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.errors import UserError
@@ -78,9 +78,7 @@ class Stream:
         return {"ttft_s": ttft, "itl_s": itl}
 
     def stats(self) -> dict:
-        gamma = max((r.verified for r in self.req.rounds), default=0)
-        verified = [sum(r.verified >= k for r in self.req.rounds) for k in range(1, gamma + 1)]
-        accepted = [sum(r.accepted >= k for r in self.req.rounds) for k in range(1, gamma + 1)]
+        verified, accepted = position_counts(self.req.rounds)
         return {
             "rounds": len(self.req.rounds),
             "drafted_rounds": sum(r.drafted for r in self.req.rounds),

@@ -5,7 +5,7 @@ without loading torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 
@@ -30,6 +30,16 @@ class Error:
 
 
 Event = Text | Done | Error
+
+
+def position_counts(rounds: Sequence) -> tuple[list[int], list[int]]:
+    """Per draft position k = 1 .. the longest verified, over rounds with `verified` l and `accepted` n
+    (speculative.RoundRecord): how many verified x_k (l >= k), and how many accepted it (n >= k; n <= l).
+    What Done's speculative statistics and the server's per-position metrics count."""
+    positions = range(1, max((r.verified for r in rounds), default=0) + 1)
+    return [sum(r.verified >= k for r in rounds) for k in positions], [
+        sum(r.accepted >= k for r in rounds) for k in positions
+    ]
 
 
 def coalesce(events: list[Event]) -> list[Event]:
