@@ -15,7 +15,8 @@ requests of 50 rounds follow one another at R = 1 and the first one's drafts are
 length, no bad one); it is run again with the gate
 blind to the requests (`own` = None), as it was before it read them. "Slow drafter" is the built-in
 target's serve_load at one request: a plain round 7.3 ms, a drafted one 16 ms (the drafter costs more than
-a target step), requests of 64 rounds. In the "bursts" the load changes every few rounds, as serve_load's
+a target step), requests of 64 rounds (8 of them, and 32: "long", where the gate has measured how far
+requests differ). In the "bursts" the load changes every few rounds, as serve_load's
 C = 16 puts it on the built-in target (BURSTS). The defaults are SmolLM2
 serve_load's measurements (results/serve-load-gate4-smollm2: a plain round of 4 requests 51 ms, a drafted
 one 95 ms; at R = 1, 43 and 58 ms). Prints, per z and scenario, the mean and 10th percentile over seeds
@@ -47,6 +48,7 @@ SCENARIOS = {
     "traffic changes": (1, 400, 0.043, 0.015, 3, False, 50, True, True),
     "traffic changes, blind": (1, 400, 0.043, 0.015, 3, False, 50, True, False),
     "R=1 loses, slow drafter": (1, 512, 0.0073, 0.0087, 3, False, 64, False, True),
+    "R=1 loses, slow drafter, long": (1, 2048, 0.0073, 0.0087, 3, False, 64, False, True),
 }
 # SPS(B) and t_d(R) of the model the gate falls back on before it has measured (SmolLM2 on this CPU)
 SPS = SPSTable([1, 4, 8, 16], [29.0, 26.6, 20.0, 16.4], draft_batch=[1, 4, 8], draft_s=[0.008, 0.016, 0.028])
