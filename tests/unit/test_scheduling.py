@@ -488,6 +488,11 @@ def test_a_requests_own_rounds_weigh_as_far_as_requests_differ():
     assert differ.expected_tokens([(10, 0)]) < 1.1  # its own rounds decide
     assert alike.expected_tokens([(10, 0)]) > 1 + 0.6 * alike.accepted
     json.dumps(alike.state())  # inf is written None
+    short = DraftGate(sps, gamma=4, max_interval=256)
+    serve(short, [1.5] * 40, rounds=1)
+    assert short.ended_drafted == 0 and short.prior_rounds() == 1.0  # one round: no variance over its rounds
+    serve(short, [1.5] * 100, rounds=2)  # alike requests drafted twice each are enough to measure k
+    assert short.ended_drafted == 100 and short.prior_rounds() > 4
 
     def new_requests_drafted(means: list[float]) -> list[int]:
         """Rounds drafted for each lone request of 64 rounds (all its drafts accepted where its mean is 4,

@@ -338,14 +338,16 @@ class DraftGate:
         """k, the drafted rounds of its own that weigh as much as the server's mean in a request's expected
         acceptance: sigma^2 / tau^2, the variance of accepted drafts over one request's rounds against that
         of the requests' true means, by the method of moments (empirical Bayes) over the ended requests drafted
-        for n >= 2 rounds: sigma^2 the mean of their variances over their rounds, and from the variance of
-        their means, S = tau^2 + sigma^2 E[1/n] (a short request's noisy mean is what E[1/n] weighs). Requests that differ no more than their
-        rounds' noise says (tau^2 <= 0): inf, the server's mean alone. Until `min_rounds` (and 2) of them
-        ended: 1. The gate itself leaves requests where drafting loses drafted for few rounds, so they count
-        less often: tau^2 errs low, k high (towards the server's mean). Counting requests from 2 drafted rounds
-        (not `min_rounds`) lets k be measured where drafting loses: at T=1 on the built-in target (requests
-        of 64 tokens) a serve_load run drafted 67 rounds over about 100 requests, fewer than 4 of them were
-        drafted 4 times, and k stayed 1: each new request probed at its own price."""
+        for n >= 2 rounds (the variance over a request's rounds needs two): sigma^2 the mean of their variances
+        over their rounds, and from the variance of their means, S = tau^2 + sigma^2 E[1/n] (E[1/n] weighs a
+        short request's noisy mean). Requests that differ no more than their rounds' noise says (tau^2 <= 0):
+        inf, the server's mean alone. Until `min_rounds` (and 2) of them ended: 1. A request's n depends on
+        its rounds: the gate leaves requests where drafting loses drafted for few rounds (they count less
+        often: tau^2 errs low, k high), and a lone request whose first rounds fell short stops drafting (its
+        short mean errs low: tau^2 high, k low). Two rounds are enough to count, not `min_rounds`, so that k
+        is measured where drafting loses and requests get few probes (at T=1 on the built-in target, requests
+        of 64 tokens, a serve_load run counting from 4 drafted 67 rounds over about 100 requests and k stayed
+        1 to its end: each new request was probed at its own price)."""
         m = effective_count(self.ended_drafted, 1 / self.window)
         if self.ended_drafted < max(self.min_rounds, 2) or m < 2:
             return 1.0
