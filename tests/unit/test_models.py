@@ -8,7 +8,7 @@ drafter family the logits (and confidence logits) of both paths must agree.
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import untrained_drafter
+from tiny_models import tiny_model, untrained_drafter
 
 from dspark import target as targets
 from dspark.config import load_config
@@ -412,3 +412,14 @@ def test_a_drafter_started_from_the_targets_top_layers_reads_the_context_as_thos
     eagle = untrained_drafter(tgt, "eagle3", GAMMA)
     with pytest.raises(UserError, match="init_layers"):
         init_from_target(load_config(overrides=["train.init_layers=target_top"]), eagle)
+
+
+def test_a_target_whose_layers_are_not_llama_shaped_is_not_copied(tgt, tmp_path):
+    """Gemma3's layers norm the attention and MLP outputs and scale by 1 + w: copied into a draft layer they
+    would start it wrong, so train.init_layers=target_top names the family instead."""
+    from dspark.models import init_from_target
+
+    tiny_model("gemma3_text").config.save_pretrained(tmp_path)
+    cfg = load_config(overrides=["train.init_layers=target_top", f"target.name_or_path={tmp_path}"])
+    with pytest.raises(UserError, match="gemma3_text layers are not Llama-shaped"):
+        init_from_target(cfg, untrained_drafter(tgt, "dspark", GAMMA, num_layers=2))

@@ -13,6 +13,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from dspark import target as targets
+from dspark.decoding.runner import family
 from dspark.errors import UserError
 from dspark.models.config import DrafterConfig
 from dspark.models.drafter import Drafter, DraftState, Proposal
@@ -101,7 +102,14 @@ def init_from_target(cfg, drafter: Drafter) -> None:
     if not isinstance(drafter, DSpark):
         raise UserError(f"train.init_layers={cfg.train.init_layers}: only a parallel (dspark/dflash) drafter")
     t = cfg.target
-    n = targets.hf_config(t.name_or_path, t.revision, t.cache_dir).num_hidden_layers
+    hf = targets.hf_config(t.name_or_path, t.revision, t.cache_dir)
+    fam = family(hf)
+    if fam.sandwich_norm or fam.unit_offset_norm:  # a draft layer is Llama's: these would be copied as if they were
+        raise UserError(
+            f"train.init_layers={cfg.train.init_layers}: the target's {hf.model_type} layers are not Llama-shaped "
+            "(norms around the attention and MLP outputs, scaled by 1 + w): use train.init_layers=random"
+        )
+    n = hf.num_hidden_layers
     first = n - drafter.c.num_layers
     if first < 0:
         raise UserError(f"train.num_layers={drafter.c.num_layers}: the target has only {n} layers to copy")
