@@ -144,13 +144,13 @@ class EngineMetrics:
             self.budget.set(sum(r.verified for r in rounds) / len(rounds))
             if any(r.drafted for r in rounds):
                 self.drafted.inc()
-        verified = [r.verified for r in rounds if r.verified]
-        if not verified:
+        verified, accepted = position_counts(rounds)
+        if not verified:  # no request verified a draft
             return
-        self.drafts.inc(len(verified))
+        self.drafts.inc(verified[0])  # the requests that verified x_1: those that verified any draft
         self.draft_tokens.inc(sum(verified))
         # one call per position, not per request and position (a drafted round of 16 requests made up to 224)
-        for k, (l_k, n_k) in enumerate(zip(*position_counts(rounds)), 1):
+        for k, (l_k, n_k) in enumerate(zip(verified, accepted), 1):
             self.verified.inc(l_k, tags={"position": str(k)})
             if n_k:  # a Prometheus counter only takes increments > 0
                 self.accepted.inc(n_k, tags={"position": str(k)})
