@@ -114,6 +114,7 @@ def make_drafter(name, tgt, cache, cfg):
         sample_from_anchor=tc.sample_from_anchor,
         draft_vocab=tc.draft_vocab,
         target=cache.manifest.target,
+        cache_law=cache.manifest.law,
     )
     torch.manual_seed(cfg.train.seed)
     drafter = build_drafter(dc, tgt.model).float()  # trained in float32 (as the distributed trainer), any target dtype

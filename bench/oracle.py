@@ -25,9 +25,9 @@ def main(argv=None):
     cfg = config_from_args(args)
     ec = cfg.eval
     tgt = targets.load_from_config(cfg.target)
-    law = SamplingParams(cfg.cache.temperature, cfg.cache.top_p, cfg.cache.top_k)
+    law = evaluation.training_law(cfg)
     print(
-        f"target {tgt.path}; training law T={law.temperature:g} top-p {law.top_p:g}; {ec.oracle_paths} paths, "
+        f"target {tgt.path}; training law {evaluation.law_name(law)}; {ec.oracle_paths} paths, "
         f"{ec.oracle_drafts} draft samples per context, a context every {ec.oracle_stride} response tokens\n"
     )
     print("| prompts | T | contexts | tau bound | alpha by position |\n|---|---|---|---|---|")
@@ -35,7 +35,7 @@ def main(argv=None):
         for t in ec.temperatures:
             sp = SamplingParams(t)
             reqs = evaluation.decode(tgt.model, None, prompts, sp, 0, ec.max_new_tokens, tgt.eos_token_ids, ec.seed)
-            alpha, tau, n = evaluation.oracle_bound(cfg, tgt.model, reqs, sp, args.gamma)
+            alpha, tau, n = evaluation.oracle_bound(cfg, tgt.model, reqs, sp, args.gamma, law)
             print(
                 f"| {name} | {t:g} | {n} | {tau:.2f} | {' '.join(f'{a:.2f}' for a in alpha)} |",
                 flush=True,

@@ -159,7 +159,9 @@ def test_object_store_outage_during_streaming_does_not_fail_the_run(reference, m
     arts = [a.path for a in client.list_artifacts(run.info.run_id, "drafter")]
     assert {"drafter/config.json", "drafter/model.safetensors"} <= set(arts)
     folder = Path(client.download_artifacts(run.info.run_id, "drafter", str(tmp_path)))
-    assert json.loads((folder / "config.json").read_text())["draft_vocab"] == 1024
+    saved = json.loads((folder / "config.json").read_text())
+    assert saved["draft_vocab"] == 1024
+    assert saved["cache_law"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 0}  # the cache's answers' law
     ids = load_file(str(folder / "model.safetensors"))["draft_ids"]
     assert ids.dtype == torch.int64 and ids.shape == (1024,) and bool((ids[1:] > ids[:-1]).all())
     # the drafter, with its speculators export, is the newest version of the registered model

@@ -74,6 +74,43 @@ def test_evaluate_reports_calibration_with_sweep_and_plots(tmp_path):
     assert {"results.json", "results.md", "reliability_d.png", "threshold_sweep_d.png"} <= set(rec.artifacts)
 
 
+def test_each_drafter_is_bounded_by_the_ideal_drafter_of_the_answers_it_learned_from(tmp_path):
+    """A drafter trained on greedy answers (its config records the cache's law) evaluated at T=0: its ideal
+    parallel drafter is the target's own argmax path, accepted at every slot. A drafter that records no law
+    (saved before drafters did) is bounded with the configured cache's, here T=1: one oracle run per law."""
+    cfg = load_config(
+        overrides=[
+            "eval.gamma=3",
+            "eval.temperatures=[0.0]",
+            "eval.prompts_per_domain=2",
+            "eval.max_new_tokens=12",
+            "eval.oracle_paths=8",
+            "eval.oracle_drafts=4",
+            "eval.oracle_stride=2",
+            "cache.temperature=1.0",
+            "cache.top_p=1.0",
+        ]
+    )
+    tgt = targets.load("builtin")
+    torch.manual_seed(0)
+    drafters = {}
+    for name, law in (("greedy", {"temperature": 0.0, "top_p": 0.95, "top_k": 0}), ("unrecorded", {})):
+        dc = DrafterConfig.from_target(
+            tgt.config, "dflash", [1, 2, 3], tgt.tokenizer.mask_token_id, num_layers=1, gamma=3, cache_law=law
+        )
+        drafters[name] = build_drafter(dc, tgt.model).eval()
+    assert evaluation.training_law(cfg, drafters["greedy"]) == SamplingParams(0.0)  # top-p is moot when greedy
+    res = evaluation.evaluate(cfg, tgt, drafters, Corpus.load(cfg.corpus), tmp_path, calibrate=False)
+    rows = {(r.drafter, r.domain): r for r in res["results"]}
+    for dom in ("code", "prose"):
+        greedy, unrecorded = rows[("greedy", dom)], rows[("unrecorded", dom)]
+        assert greedy.bound_law == "T=0" and greedy.bound_accept == pytest.approx([1.0] * 3) and greedy.tau_bound == 4
+        assert unrecorded.bound_law == "T=1" and unrecorded.bound_accept[0] == pytest.approx(1.0)
+        assert all(0 <= a <= 1 + 1e-6 for a in unrecorded.bound_accept)
+    table = (tmp_path / "results.md").read_text()
+    assert "| greedy | code | 0 | 3 | " in table and "4.000 (T=0)" in table and " (T=1) |" in table
+
+
 def test_evaluate_with_a_prefix_policy_adds_its_rows_priced_by_the_table(tmp_path):
     """eval.policy=greedy decodes each drafter with a confidence head a second time under Algorithm 1: with
     a table where a step of 2+ tokens costs 10x one of 1, no draft is worth verifying (every round emits one

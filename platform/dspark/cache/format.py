@@ -98,6 +98,11 @@ class Manifest:
         return sum(s.rows for s in self.shards)
 
     @property
+    def law(self) -> dict:
+        """The sampling law of the cached answers: temperature, top_p, top_k."""
+        return {k: self.generation[k] for k in ("temperature", "top_p", "top_k")}
+
+    @property
     def tokens(self) -> int:
         return sum(s.tokens for s in self.shards)
 

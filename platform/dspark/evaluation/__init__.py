@@ -118,21 +118,26 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
             plain.speedup = 1.0
             first = len(results)
             results.append(plain)
-            alpha = []
-            if ec.oracle_paths and drafters:
-                gamma_max = max(ec.gamma or d.c.gamma for d in drafters.values())
-                alpha, _, _ = oracle_bound(cfg, target.model, reqs["target"], sp, gamma_max)
+            # the bound of each law the drafters learned from (one oracle run per law, at the longest gamma)
+            alpha: dict[SamplingParams, list[float]] = {}
+            if ec.oracle_paths:
+                for law in {training_law(cfg, d) for d in drafters.values()}:
+                    gamma_max = max(ec.gamma or d.c.gamma for d in drafters.values() if training_law(cfg, d) == law)
+                    alpha[law] = oracle_bound(cfg, target.model, reqs["target"], sp, gamma_max, law)[0]
             for name, dec in list(runs.items())[1:]:
                 r = summarize(name, domain, sp, dec.gamma, reqs[name])
                 r.speedup = r.tokens_per_s / plain.tokens_per_s
                 if alpha and name not in scheduled:  # the bound is for every draft verified: none for shorter rounds
-                    r.bound_accept = alpha[: dec.gamma]
+                    law = training_law(cfg, drafters[name])
+                    r.bound_accept = alpha[law][: dec.gamma]
                     r.tau_bound = oracle.tau_of(r.bound_accept)
+                    r.bound_law = law_name(law)
                 results.append(r)
             log(
                 f"[eval] {domain} T={t:g}: "
                 + ", ".join(
-                    f"{r.drafter} tau {r.tau:.2f}" + (f" (bound {r.tau_bound:.2f})" if r.bound_accept else "")
+                    f"{r.drafter} tau {r.tau:.2f}"
+                    + (f" (bound {r.tau_bound:.2f}, {r.bound_law} answers)" if r.bound_accept else "")
                     for r in results[first:]
                 )
                 + f" ({time.perf_counter() - t0:.0f}s)"
@@ -147,11 +152,37 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
     return {"results": results, "calibrations": shipped, "calibration": cal_by}
 
 
-def oracle_bound(cfg, model, reqs: list, sp: SamplingParams, gamma: int) -> tuple[list[float], float, int]:
+def training_law(cfg, drafter=None) -> SamplingParams:
+    """The law of the cached answers a drafter learned from: the one its config records, else (a drafter
+    saved before drafters recorded it, or none) the configured cache's (cache.temperature, top_p, top_k).
+    Greedy laws are one law, whatever their top-p / top-k."""
+    law = drafter.c.cache_law if drafter is not None else {}
+    t, top_p, top_k = (
+        (law["temperature"], law["top_p"], law["top_k"])
+        if law
+        else (cfg.cache.temperature, cfg.cache.top_p, cfg.cache.top_k)
+    )
+    return SamplingParams(0.0) if t == 0 else SamplingParams(t, top_p, top_k)
+
+
+def law_name(law: SamplingParams) -> str:
+    """A law as reports print it: "T=0", "T=0.8 top-p 0.95", "T=1 top-k 50"."""
+    parts = [f"T={law.temperature:g}"]
+    if law.top_p < 1:
+        parts.append(f"top-p {law.top_p:g}")
+    if law.top_k:
+        parts.append(f"top-k {law.top_k}")
+    return " ".join(parts)
+
+
+def oracle_bound(
+    cfg, model, reqs: list, sp: SamplingParams, gamma: int, law: SamplingParams | None = None
+) -> tuple[list[float], float, int]:
     """The ideal parallel drafter's (alpha_1..alpha_gamma, tau bound, contexts) on the contexts of `reqs`
-    (target-only decodes at `sp`), its drafts drawn from the law the cache was generated with."""
+    (target-only decodes at `sp`) for a drafter trained on answers sampled with `law` (None: the configured
+    cache's, `training_law`)."""
     ec = cfg.eval
-    law = SamplingParams(cfg.cache.temperature, cfg.cache.top_p, cfg.cache.top_k)
+    law = law or training_law(cfg)
     responses = [(q.prompt, q.out) for q in reqs]
     return oracle.bound(model, responses, gamma, sp, law, ec.oracle_paths, ec.oracle_drafts, ec.oracle_stride, ec.seed)
 

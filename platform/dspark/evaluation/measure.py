@@ -36,6 +36,7 @@ class RunResult:
     speedup: float = float("nan")  # tokens_per_s / plain target tokens_per_s
     tau_bound: float = float("nan")  # the ideal parallel drafter's tau at this gamma (evaluation.oracle)
     bound_accept: list[float] = field(default_factory=list)  # its conditional acceptance by position
+    bound_law: str = ""  # the law of the cached answers that ideal drafter learned from, e.g. "T=0"
 
 
 def prompts_for(cfg, corpus, domain: str, split: str, n: int, tokenizer) -> list[list[int]]:

@@ -55,7 +55,7 @@ def markdown(results: list[RunResult]) -> str:
     )
     rows = [
         f"| {r.drafter} | {r.domain} | {r.temperature:g} | {r.gamma} | {r.tau:.3f} | "
-        f"{f'{r.tau_bound:.3f}' if r.bound_accept else '-'} | {r.speedup:.2f}x | {r.draft_ms:.1f} | "
+        f"{f'{r.tau_bound:.3f} ({r.bound_law})' if r.bound_accept else '-'} | {r.speedup:.2f}x | {r.draft_ms:.1f} | "
         f"{r.verify_ms:.1f} | {' '.join(f'{a:.2f}' for a in r.cond_accept)} | "
         f"{' '.join(f'{a:.2f}' for a in r.bound_accept) or '-'} |"
         for r in results
@@ -70,13 +70,15 @@ def plot_acceptance(results: list[RunResult], path: Path) -> None:
         rows = [r for r in results if r.domain == dom and r.temperature == t and r.gamma]
         for r in rows:
             ax.plot(range(1, r.gamma + 1), r.cond_accept, marker="o", label=f"{r.drafter} (tau {r.tau:.2f})")
-        bound = max((r for r in rows if r.bound_accept), key=lambda r: r.gamma, default=None)
-        if bound:
+        bounds = {}  # law -> its bound at the longest gamma (drafters trained on other answers have others)
+        for r in sorted((r for r in rows if r.bound_accept), key=lambda r: r.gamma):
+            bounds[r.bound_law] = r
+        for style, bound in zip(("k--", "k:", "k-."), bounds.values()):
             ax.plot(
                 range(1, bound.gamma + 1),
                 bound.bound_accept,
-                "k--",
-                label=f"ideal parallel (tau {bound.tau_bound:.2f})",
+                style,
+                label=f"ideal parallel, {bound.bound_law} answers (tau {bound.tau_bound:.2f})",
             )
         ax.set_title(f"{dom}, T={t:g}")
         ax.set_xlabel("draft position k")

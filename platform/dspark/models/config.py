@@ -34,6 +34,9 @@ class DrafterConfig:
     # mask predicts the token at its own position (z-lab's DFlash, the only block vLLM's DFlash serves)
     sample_from_anchor: bool = True
     target: dict = field(default_factory=dict)  # name and weights hash of the target it was trained for
+    # the law the target's cached answers it learned from were sampled with (temperature, top_p, top_k; {}: not
+    # recorded, drafters saved before it was): the ideal parallel drafter's bound depends on it (evaluation.oracle)
+    cache_law: dict = field(default_factory=dict)
 
     @property
     def m(self) -> int:

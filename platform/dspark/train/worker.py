@@ -98,10 +98,17 @@ def mask_id(cfg: Config) -> int:
     return tok.mask_token_id
 
 
-def drafter_for(cfg: Config, layers: list[int], target: dict, device, draft_ids: list[int] | None = None):
+def drafter_for(
+    cfg: Config,
+    layers: list[int],
+    target: dict,
+    device,
+    draft_ids: list[int] | None = None,
+    cache_law: dict | None = None,
+):
     """A fresh drafter reading the target's tapped `layers` (`target`: the cache's name and weights hash
     of it), in float32 whatever the target's dtype (bf16 mixed precision is DeepSpeed's train.bf16);
-    `draft_ids` its draft vocabulary (None: all V)."""
+    `draft_ids` its draft vocabulary (None: all V); `cache_law` the cache answers' sampling law it records."""
     tc = cfg.train
     embed, head = targets.head_weights(cfg.target.name_or_path, "float32", cfg.target.revision, cfg.target.cache_dir)
     hf = targets.hf_config(cfg.target.name_or_path, cfg.target.revision, cfg.target.cache_dir)
@@ -117,6 +124,7 @@ def drafter_for(cfg: Config, layers: list[int], target: dict, device, draft_ids:
         sample_from_anchor=tc.sample_from_anchor,
         draft_vocab=len(draft_ids) if draft_ids else 0,
         target=target,
+        cache_law=cache_law or {},
     )
     drafter = build_drafter(dc, FrozenTargetHead(embed, head))
     if draft_ids:
@@ -277,7 +285,7 @@ def train_loop_per_worker(config: dict) -> None:
     torch.manual_seed(tc.seed)
     _no_cpu_shm_build()
 
-    drafter = drafter_for(cfg, manifest.layers, manifest.target, device, config.get("draft_ids"))
+    drafter = drafter_for(cfg, manifest.layers, manifest.target, device, config.get("draft_ids"), manifest.law)
     init_from_target(cfg, drafter)
     warm_start(cfg, drafter)  # weights only: a fresh optimizer, scheduler and step count
     engine, scheduler = _engine(cfg, drafter, world, total)
