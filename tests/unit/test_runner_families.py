@@ -1,6 +1,7 @@
 """The decoding runner equals each family's own HF forward: prefill, ragged multi-request
 verification (slots of different lengths appending different numbers of tokens in one forward, the
-requests in any order) and rollback (truncate, then append other tokens). Tiny random configs of
+requests in any order), rollback (truncate, then append other tokens), and requests whose slots have
+others between them (read as one view of the cache, or gathered where the gaps are wide). Tiny random configs of
 every supported family, with the features that make them differ switched on (biases, q/k norms,
 sliding windows shorter than the context, Gemma3's sandwich norms, embedding scale, query scalar,
 local rotary base and logit soft-capping); and the real SmolLM2 weights."""
@@ -26,7 +27,7 @@ def check_against_hf(model, seqs: list[torch.Tensor], tol: float) -> TargetRunne
     def same(got, want):
         assert (got - want).abs().max() <= tol * max(1.0, want.abs().max()), (got - want).abs().max()
 
-    r = TargetRunner(model, [0, 1], max_slots=4, capacity=8)  # capacity grows on demand
+    r = TargetRunner(model, [0, 1], max_slots=6, capacity=8)  # capacity grows on demand
     slots = [r.alloc() for _ in seqs]
     prefix = [len(s) - k for s, k in zip(seqs, (3, 1, 5))]
     first = r.forward(slots, [s[:p] for s, p in zip(seqs, prefix)])  # (a) prefill, ragged lengths
@@ -53,6 +54,21 @@ def check_against_hf(model, seqs: list[torch.Tensor], tol: float) -> TargetRunne
     fourth = r.forward(slots[::2] + slots[1:2], new)
     for i, (s, extra) in enumerate(zip(seqs, new)):
         same(fourth.logits[i], ref(torch.cat([s, extra]))[0][len(s) :])
+    seqs = [torch.cat([s, extra]) for s, extra in zip(seqs, new)]  # in slots 0, 2, 1
+    # (e) slots 0 and 2 append a token each: attention reads slots 0-2 as one view, slot 1's row dropped
+    new = [torch.randint(0, model.config.vocab_size, (1,), generator=g) for _ in range(2)]
+    fifth = r.forward(slots[::2], new)
+    for i, (s, extra) in enumerate(zip(seqs[:2], new)):
+        same(fifth.logits[i], ref(torch.cat([s, extra]))[0][len(s) :])
+    seqs[:2] = [torch.cat([s, extra]) for s, extra in zip(seqs[:2], new)]
+    # (f) slots 0 and 4 (three free or idle slots between them): their rows gathered, not read as one view
+    r.alloc()
+    far, other = r.alloc(), torch.randint(0, model.config.vocab_size, (6,), generator=g)
+    r.forward([far], [other[:5]])
+    new = torch.randint(0, model.config.vocab_size, (2,), generator=g)
+    sixth = r.forward([slots[0], far], [new, other[5:]])
+    same(sixth.logits[0], ref(torch.cat([seqs[0], new]))[0][len(seqs[0]) :])
+    same(sixth.logits[1], ref(other)[0][5:])
     return r
 
 
