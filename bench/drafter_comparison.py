@@ -268,7 +268,8 @@ def main(argv=None):
     drafters = {}
     for name in names:
         if args.eval_only or (out / name / "model.safetensors").exists():
-            drafters[name] = load_drafter(out / name, tgt.model, tgt.weights_sha256)
+            drafters[name] = d = load_drafter(out / name, tgt.model, tgt.weights_sha256)
+            d.c.cache_law = d.c.cache_law or caches[parse(name)[4]].manifest.law  # saved before drafters recorded it
             continue
         trained, info[name] = train_variant(
             name,

@@ -12,7 +12,7 @@ import transformers
 from tiny_models import CONFIGS, TINY, tiny_model
 
 from dspark import target as targets
-from dspark.decoding.runner import FAMILIES, TargetRunner
+from dspark.decoding.runner import FAMILIES, TargetRunner, attention_span
 from dspark.errors import UserError
 from dspark.target import packed
 
@@ -56,6 +56,7 @@ def check_against_hf(model, seqs: list[torch.Tensor], tol: float) -> TargetRunne
         same(fourth.logits[i], ref(torch.cat([s, extra]))[0][len(s) :])
     seqs = [torch.cat([s, extra]) for s, extra in zip(seqs, new)]  # in slots 0, 2, 1
     # (e) slots 0 and 2 append a token each: attention reads slots 0-2 as one view, slot 1's row dropped
+    assert attention_span(slots[::2]) == slice(0, 3)
     new = [torch.randint(0, model.config.vocab_size, (1,), generator=g) for _ in range(2)]
     fifth = r.forward(slots[::2], new)
     for i, (s, extra) in enumerate(zip(seqs[:2], new)):
@@ -65,11 +66,27 @@ def check_against_hf(model, seqs: list[torch.Tensor], tol: float) -> TargetRunne
     r.alloc()
     far, other = r.alloc(), torch.randint(0, model.config.vocab_size, (6,), generator=g)
     r.forward([far], [other[:5]])
+    assert attention_span([slots[0], far]) is None
     new = torch.randint(0, model.config.vocab_size, (2,), generator=g)
     sixth = r.forward([slots[0], far], [new, other[5:]])
     same(sixth.logits[0], ref(torch.cat([seqs[0], new]))[0][len(seqs[0]) :])
     same(sixth.logits[1], ref(other)[0][5:])
     return r
+
+
+@pytest.mark.parametrize(
+    "slots, span",
+    [
+        ([5], slice(5, 6)),
+        (list(range(15)), slice(0, 15)),
+        ([s for s in range(16) if s != 7], slice(0, 16)),  # a free slot among 15: one view, its row dropped
+        ([0, 2], slice(0, 3)),  # as many free rows between them as half the requests: still one view
+        ([0, 3], None),
+        ([0, 2, 4, 6], None),  # every other slot: their rows are copied
+    ],
+)
+def test_attention_reads_one_view_of_the_cache_unless_the_free_slots_between_are_many(slots, span):
+    assert attention_span(slots) == span
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))

@@ -113,14 +113,26 @@ class _Ragged:
     row: torch.Tensor  # (Ttot,) each token's row of that batch: its request, or its slot - span.start
     col: torch.Tensor  # (Ttot,) its index among its request's new tokens
     pos: torch.Tensor  # (Ttot,) its position in its sequence
-    slot: torch.Tensor  # (Ttot,) its slot: slots[row]
+    slot: torch.Tensor  # (Ttot,) its request's slot
     nmax: int  # most new tokens of one request
     L: int  # longest sequence after this forward
     uniform: bool  # B = R and every request appends nmax tokens: the Ttot tokens are (B, nmax) as they lie
 
 
+def attention_span(slots: list[int]) -> Optional[slice]:
+    """The cache rows a forward's attention reads as one view, for its requests' slots (ascending, distinct):
+    from the first slot to the last, where no more than half as many rows between them are held by no
+    request of the forward (a server whose middle slots freed: their rows are computed and dropped); None
+    where the gaps are wider: the slots' rows are copied. Copying every layer's KV of the slots cost more
+    than attending to the extra rows (the built-in target, one thread, 15 requests around a free slot:
+    6.1-6.5 ms a step against 7.0-7.4 copied, 5.5-6.1 with no gap; 8 requests in every other slot of 16:
+    about equal)."""
+    width = slots[-1] - slots[0] + 1
+    return slice(slots[0], slots[-1] + 1) if 2 * width <= 3 * len(slots) else None
+
+
 def _mask(j: torch.Tensor, qpos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """(R, 1, nmax, L) boolean: key j is visible to the query at position q iff q - window < j <= q."""
+    """(B, 1, nmax, L) boolean: key j is visible to the query at position q iff q - window < j <= q."""
     visible = j[None, None, :] <= qpos[:, :, None]
     if window is not None:
         visible &= j[None, None, :] > qpos[:, :, None] - window
@@ -225,16 +237,12 @@ class TargetRunner:
         pos = torch.tensor(start, device=dev)[row] + col  # (Ttot,)
         slot_t = torch.tensor(slots, device=self.device)
         L = max(end)
-        # attention reads the slots' KV as one view of the rows from the first slot to the last (sorted, distinct)
-        # where no more than half as many rows between them are held by no request of this forward (a server
-        # whose middle slots freed): copying every layer's KV of the R slots cost more than attending to the
-        # extra rows (the built-in target, one thread, 15 requests around a free slot: 6.1-6.5 ms a step
-        # against 7.0-7.4 copied, 5.5-6.1 with no gap; 8 requests in every other slot of 16: about equal);
-        # else the R slots' rows are copied
-        width = slots[-1] - slots[0] + 1
-        span = slice(slots[0], slots[-1] + 1) if 2 * width <= 3 * len(slots) else None
+        assert len(set(slots)) == len(slots), f"a slot twice in one forward: {slots}"
+        span = attention_span(slots)  # (the slots are in order: sorted above)
         B, batch_row = (
-            (width, slot_t - slots[0]) if span is not None else (len(slots), torch.arange(len(n), device=dev))
+            (span.stop - span.start, slot_t - span.start)
+            if span is not None
+            else (len(slots), torch.arange(len(n), device=dev))
         )
         # query t of request r sees key j iff  q - window < j <= q  with q = start_r + t (its cache and its
         # own earlier new tokens; no lower bound on full-attention layers); a row no request holds sees key 0

@@ -3,8 +3,8 @@ this target, estimated from the target alone. Evaluations report it beside every
 
 A parallel drafter (DFlash's backbone) proposes slot k from the context c without the tokens drafted
 before it. Trained to match the target's distribution on the target's own responses (sampled with the
-cache's law S = cache.temperature / top_p / top_k), its best possible slot-k output is the target's
-marginal over those responses:
+cache's law S: temperature / top_p / top_k, which a drafter records as `cache_law`), its best possible
+slot-k output is the target's marginal over those responses:
 
     q_k(v) = E_{x_{<k} ~ S} [ p(v | c, x_{<k}) ]           p = the target at the evaluated temperature T
                                                            (at T = 0: argmax of the T=1 marginal)

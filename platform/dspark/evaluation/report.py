@@ -3,6 +3,7 @@ sweep) and MLflow logging."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +74,7 @@ def plot_acceptance(results: list[RunResult], path: Path) -> None:
         bounds = {}  # law -> its bound at the longest gamma (drafters trained on other answers have others)
         for r in sorted((r for r in rows if r.bound_accept), key=lambda r: r.gamma):
             bounds[r.bound_law] = r
-        for style, bound in zip(("k--", "k:", "k-."), bounds.values()):
+        for style, bound in zip(itertools.cycle(("k--", "k:", "k-.")), bounds.values()):
             ax.plot(
                 range(1, bound.gamma + 1),
                 bound.bound_accept,
