@@ -269,7 +269,9 @@ def main(argv=None):
     for name in names:
         if args.eval_only or (out / name / "model.safetensors").exists():
             drafters[name] = d = load_drafter(out / name, tgt.model, tgt.weights_sha256)
-            d.c.cache_law = d.c.cache_law or caches[parse(name)[4]].manifest.law  # saved before drafters recorded it
+            d.c.cache_law = (
+                d.c.cache_law or caches.get(parse(name)[4], caches[False]).manifest.law
+            )  # saved before it was
             continue
         trained, info[name] = train_variant(
             name,
