@@ -269,9 +269,8 @@ def main(argv=None):
     for name in names:
         if args.eval_only or (out / name / "model.safetensors").exists():
             drafters[name] = d = load_drafter(out / name, tgt.model, tgt.weights_sha256)
-            d.c.cache_law = (
-                d.c.cache_law or caches.get(parse(name)[4], caches[False]).manifest.law
-            )  # saved before it was
+            # a drafter saved before drafters recorded their cache's law learned from this bench's --cache
+            d.c.cache_law = d.c.cache_law or caches.get(parse(name)[4], caches[False]).manifest.law
             continue
         trained, info[name] = train_variant(
             name,
