@@ -239,20 +239,19 @@ class TargetRunner:
         L = max(end)
         assert len(set(slots)) == len(slots), f"a slot twice in one forward: {slots}"
         span = attention_span(slots)  # (the slots are in order: sorted above)
-        B, batch_row = (
-            (span.stop - span.start, slot_t - span.start)
-            if span is not None
-            else (len(slots), torch.arange(len(n), device=dev))
-        )
+        B = span.stop - span.start if span is not None else len(slots)  # attention's batch
         # query t of request r sees key j iff  q - window < j <= q  with q = start_r + t (its cache and its
-        # own earlier new tokens; no lower bound on full-attention layers); a row no request holds sees key 0
+        # own earlier new tokens; no lower bound on full-attention layers)
         j = torch.arange(L, device=self.device)
-        qpos = torch.zeros(B, nmax, dtype=torch.long, device=dev)  # (B, nmax)
-        qpos[batch_row] = torch.tensor(start, device=self.device)[:, None] + torch.arange(nmax, device=self.device)
+        qpos = torch.tensor(start, device=self.device)[:, None] + torch.arange(nmax, device=self.device)  # (R, nmax)
+        batch_row = row  # each token's row of attention's batch
+        if B > len(slots):  # the span holds rows no request of this forward has: at position 0 they see key 0
+            at = slot_t - span.start  # (R,) each request's row
+            qpos, batch_row = qpos.new_zeros(B, nmax).index_copy_(0, at, qpos), at[row]  # (B, nmax)
         # window -> (B, 1, G * nmax, L): row (g, t) is token t's mask, for the G query heads of a KV head
         masks = {w: _mask(j, qpos, w).repeat(1, 1, self.nh // self.kvh, 1) for w in set(self.windows)}
         uniform = B == len(slots) and min(n) == nmax
-        where = _Ragged(slot_t, span, B, batch_row[row], col, pos, slot_t[row], nmax, L, uniform)
+        where = _Ragged(slot_t, span, B, batch_row, col, pos, slot_t[row], nmax, L, uniform)
 
         x = self.base.embed_tokens(ids[None])  # (1, Ttot, d); Gemma3's module scales by sqrt(d)
         rope = self._rope(x, pos)

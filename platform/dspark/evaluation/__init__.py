@@ -98,6 +98,7 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
                 out_dir / f"threshold_sweep_{name}.png",
             )
     sets = eval_prompts(cfg, target, corpus, log)
+    laws = {name: training_law(cfg, d) for name, d in drafters.items()}  # the law of the answers each learned
     bar = tqdm(total=len(sets) * len(ec.temperatures), unit="set", desc="eval", mininterval=10)
     for domain, prompts in sets.items():
         for t in ec.temperatures:
@@ -121,14 +122,14 @@ def evaluate(cfg, target, drafters: dict, corpus, out_dir: Path, calibrate: bool
             # the bound of each law the drafters learned from (one oracle run per law, at the longest gamma)
             alpha: dict[SamplingParams, list[float]] = {}
             if ec.oracle_paths:
-                for law in {training_law(cfg, d) for d in drafters.values()}:
-                    gamma_max = max(ec.gamma or d.c.gamma for d in drafters.values() if training_law(cfg, d) == law)
+                for law in set(laws.values()):
+                    gamma_max = max(ec.gamma or drafters[k].c.gamma for k, x in laws.items() if x == law)
                     alpha[law] = oracle_bound(cfg, target.model, reqs["target"], sp, gamma_max, law)[0]
             for name, dec in list(runs.items())[1:]:
                 r = summarize(name, domain, sp, dec.gamma, reqs[name])
                 r.speedup = r.tokens_per_s / plain.tokens_per_s
                 if alpha and name not in scheduled:  # the bound is for every draft verified: none for shorter rounds
-                    law = training_law(cfg, drafters[name])
+                    law = laws[name]
                     r.bound_accept = alpha[law][: dec.gamma]
                     r.tau_bound = oracle.tau_of(r.bound_accept)
                     r.bound_law = law_name(law)
