@@ -180,6 +180,8 @@ def print_costs(path: Path) -> None:
         print(f"  verify B={b:3d} tokens: {1000 / s:7.1f} ms")
     for r, t in zip(table.draft_batch, table.draft_s):
         print(f"  drafting round R={r:3d}: {1000 * t:7.1f} ms")
+    for r, t in zip(table.draft_batch, table.verify_s):
+        print(f"  verify R={r:3d} requests x {table.verify_tokens} tokens: {1000 * t:7.1f} ms")
     if table.extend_s:
         print(f"  drafter catch-up: {1000 * table.extend_s:7.3f} ms per context position")
 

@@ -52,6 +52,8 @@ def main(argv=None):
         print(f"B={b:4d}  {s:8.2f} steps/s  {b * s:9.0f} tokens/s  verify {1000 / s:7.1f} ms")
     for r, t in zip(table.draft_batch, table.draft_s):
         print(f"R={r:4d}  drafting round {1000 * t:7.1f} ms")
+    for r, t in zip(table.draft_batch, table.verify_s):
+        print(f"R={r:4d}  verify {table.verify_tokens} tokens each {1000 * t:7.1f} ms")
     print(f"[sps] saved {args.out}: {json.dumps(table.hardware)}")
 
 

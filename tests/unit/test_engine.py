@@ -1,6 +1,7 @@
 """The continuous-batching engine without Ray: concurrent requests join and leave between rounds and
 each still gets exactly the target's greedy output; bounded queue; cancellation; stop strings."""
 
+import dataclasses
 import threading
 import time
 
@@ -308,6 +309,9 @@ def test_profile_times_the_drafting_round_per_request_count(tgt, drafter):
     # a step over fewer tokens never costs more than one over more: noise at one size is cut
     assert all(1 / a <= 1 / b for a, b in zip(table.sps, table.sps[1:]))
     assert all(a <= b for a, b in zip(table.draft_s, table.draft_s[1:]))
+    # and verifying gamma + 1 tokens for each of those requests
+    assert table.verify_tokens == 5 and len(table.verify_s) == 2 and 0 < table.verify_s[0] <= table.verify_s[1]
+    assert SPSTable(**dataclasses.asdict(table)) == table  # what an engine's state hands to other replicas
 
 
 def test_envelope_cuts_a_noisy_size_to_the_least_time_above_it():

@@ -179,6 +179,37 @@ def test_draft_time_table():
         SPSTable([1], [1.0], draft_batch=[2, 1], draft_s=[0.1, 0.1])
 
 
+def test_verification_is_priced_by_its_requests_where_the_table_profiled_them():
+    """t_v(R, B) runs from 1/SPS(R) (one token each) to the profiled forward of R requests with k tokens each,
+    linearly in the B - R drafts; proportional to R past the profiled R; 1/SPS(B) without R or profile."""
+    t = SPSTable([1, 8, 16], [200.0, 100.0, 50.0], draft_batch=[1, 2], draft_s=[0.01, 0.012])
+    assert t.verify_time(8, 1) == t.verify_time(8) == pytest.approx(0.01)  # not profiled per request
+    t = SPSTable(
+        [1, 2, 8, 16],
+        [200.0, 190.0, 100.0, 50.0],
+        draft_batch=[1, 2],
+        draft_s=[0.01, 0.012],
+        verify_s=[0.006, 0.008],
+        verify_tokens=5,
+    )
+    assert t.verify_time(1, 1) == pytest.approx(0.005)  # plain: 1/SPS(1)
+    assert t.verify_time(5, 1) == pytest.approx(0.006)  # one request, 5 tokens: its profiled forward
+    assert t.verify_time(3, 1) == pytest.approx(0.0055)  # 2 of its 4 drafts
+    assert t.verify_time(5, 1) < t.verify_time(5) == pytest.approx(1 / 145)  # not 5 requests' 1/SPS(5)
+    assert t.verify_time(10, 2) == pytest.approx(0.008) and t.verify_time(2, 2) == pytest.approx(1 / 190)
+    assert t.verify_time(4 * 5, 4) == pytest.approx(0.016)  # past the profiled R: proportional to R
+    flat = SPSTable([1, 2], [200.0, 100.0], draft_batch=[1], draft_s=[0.01], verify_s=[0.004], verify_tokens=2)
+    assert flat.verify_time(2, 1) == pytest.approx(0.005)  # faster than one token (noise): no cheaper than it
+    with pytest.raises(UserError, match="verify_s"):
+        SPSTable([1], [1.0], draft_batch=[1, 2], draft_s=[0.1, 0.1], verify_s=[0.1], verify_tokens=5)
+    # Algorithm 1 verifies a lone request's drafts that the curve over requests would cut: 8 requests of one
+    # token cost twice one token, 8 tokens of one request 10% more
+    a = survival([[0.6] * 7])
+    curve = SPSTable([1, 8], [100.0, 50.0], draft_batch=[1], draft_s=[0.01])
+    profiled = SPSTable([1, 8], [100.0, 50.0], draft_batch=[1], draft_s=[0.01], verify_s=[0.011], verify_tokens=8)
+    assert greedy_prefix(a, curve, draft_s=0.01).sum() < greedy_prefix(a, profiled, draft_s=0.01).sum() == 7
+
+
 def test_the_draft_gate_follows_what_rounds_took_over_its_model():
     """Once drafted and plain rounds were timed at R, their tokens/s decide, whichever way the model errs;
     while drafting, plain rounds are timed every other round until there are enough, then every

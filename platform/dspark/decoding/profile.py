@@ -42,29 +42,14 @@ def profile(
 ) -> SPSTable:
     """Measure verification steps/s for total batch B tokens, spread over min(B, max_requests) requests
     that each already hold `context` tokens of KV cache (the median of `repeats` timed steps); with a
-    drafter, also its drafting round at each R = B <= max_requests (`draft_time`)."""
-    vocab = target_model.config.vocab_size
+    drafter, also its drafting round at each R = B <= max_requests (`draft_time`) and the verification of
+    gamma + 1 tokens for each of those R requests (`SPSTable.verify_time`)."""
     out = []
     for B in batches:
         R = min(B, max_requests)
-        per = [B // R + (1 if r < B % R else 0) for r in range(R)]
-        runner = TargetRunner(target_model, [], max_slots=R, capacity=context + max(per) + 1)
-        slots = [runner.alloc() for _ in range(R)]
-        runner.forward(slots, [torch.randint(0, vocab, (context,)) for _ in slots], last_only=True)
-        times = []
-        for i in range(warmup + repeats):
-            toks = [torch.randint(0, vocab, (n,)) for n in per]
-            if str(runner.device).startswith("cuda"):
-                torch.cuda.synchronize(runner.device)
-            t0 = time.perf_counter()
-            runner.forward(slots, toks)
-            if str(runner.device).startswith("cuda"):
-                torch.cuda.synchronize(runner.device)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-            for s in slots:
-                runner.truncate(s, context)
-        out.append(float(np.median(times)))
+        out.append(
+            forward_time(target_model, [B // R + (1 if r < B % R else 0) for r in range(R)], context, repeats, warmup)
+        )
     table = SPSTable(
         list(batches), (1.0 / envelope(out)).tolist(), hardware_info(next(target_model.parameters()).device)
     )
@@ -73,6 +58,30 @@ def profile(
             table, target_model, drafter, [R for R in batches if R <= max_requests], gamma, context, repeats, warmup
         )
     return table
+
+
+def forward_time(target_model, per: list[int], context: int = 256, repeats: int = 5, warmup: int = 2) -> float:
+    """Seconds of one target forward of len(per) requests with per[r] new tokens each, every request
+    already holding `context` tokens of KV cache: the median of `repeats` timed forwards."""
+    vocab = target_model.config.vocab_size
+    runner = TargetRunner(target_model, [], max_slots=len(per), capacity=context + max(per) + 1)
+    slots = [runner.alloc() for _ in per]
+    runner.forward(slots, [torch.randint(0, vocab, (context,)) for _ in slots], last_only=True)
+    cuda = str(runner.device).startswith("cuda")
+    times = []
+    for i in range(warmup + repeats):
+        toks = [torch.randint(0, vocab, (n,)) for n in per]
+        if cuda:
+            torch.cuda.synchronize(runner.device)
+        t0 = time.perf_counter()
+        runner.forward(slots, toks)
+        if cuda:
+            torch.cuda.synchronize(runner.device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        for s in slots:
+            runner.truncate(s, context)
+    return float(np.median(times))
 
 
 def add_draft_times(
@@ -85,11 +94,17 @@ def add_draft_times(
     repeats: int = 5,
     warmup: int = 2,
 ) -> None:
-    """Fill the table's t_d(R) at each R of `requests` (increasing) and its catch-up cost t_e."""
+    """Fill the table's t_d(R) at each R of `requests` (increasing), the verification of gamma + 1 tokens for
+    each of R requests there, and its catch-up cost t_e."""
     table.draft_batch = list(requests)
     table.draft_s = envelope(
         [draft_time(target_model, drafter, R, gamma, context, repeats, warmup) for R in requests]
     ).tolist()
+    if gamma:
+        table.verify_tokens = gamma + 1
+        table.verify_s = envelope(
+            [forward_time(target_model, [gamma + 1] * R, context, repeats, warmup) for R in requests]
+        ).tolist()
     table.extend_s = extend_time(target_model, drafter, context, repeats, warmup)
 
 

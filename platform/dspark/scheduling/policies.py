@@ -4,8 +4,10 @@ Notation (paper §3.2.2): R requests, conditional confidences c_{r,j}, prefix su
 a_{r,j} = prod_{i<=j} c_{r,i}, lengths l_r in 0..gamma, verification batch B = sum_r (1 + l_r),
 expected accepted tokens tau = sum_r (1 + sum_{j<=l_r} a_{r,j}), throughput Theta = tau * SPS(B).
 With the drafting round's cost t_d(R) (sps.SPSTable.draft_time) a round takes t_d + 1/SPS(B):
-Theta = tau / (t_d + 1/SPS(B)). Inside a round that drafted, t_d is already paid (t_d = 0 gives the
-paper's Theta); whether to draft at all is `DraftGate`'s decision, made before drafting.
+Theta = tau / (t_d + 1/SPS(B)); where the table profiled verification per request count, 1/SPS(B) is
+t_v(R, B) (`SPSTable.verify_time`: B tokens of R requests, not B requests of one token). Inside a round
+that drafted, t_d is already paid (t_d = 0 gives the paper's Theta); whether to draft at all is
+`DraftGate`'s decision, made before drafting.
 
 - `greedy_prefix` (Algorithm 1): admit candidates (r, j) in descending a_{r,j} (ties: smaller j,
   then smaller r) while Theta strictly improves; STOP at the first candidate that does not. The early
@@ -49,16 +51,17 @@ def _order(a: np.ndarray) -> np.ndarray:
     return np.stack([r.ravel()[keys], j.ravel()[keys]], 1)
 
 
-def rate(tau: float, B: int, sps: SPSTable, draft_s: float = 0.0) -> float:
-    """Theta = tau / (t_d + 1/SPS(B)): tokens per second of a round that verifies B tokens."""
-    return tau * sps(B) if draft_s == 0 else tau / (draft_s + 1.0 / sps(B))
+def rate(tau: float, B: int, sps: SPSTable, draft_s: float = 0.0, R: Optional[int] = None) -> float:
+    """Theta = tau / (t_d + t_v(R, B)): tokens per second of a round that verifies B tokens of R requests
+    (t_v = 1/SPS(B) where R is not given or the table has no verification profile)."""
+    return tau / (draft_s + sps.verify_time(B, R))
 
 
 def throughput(a: np.ndarray, lengths, sps: SPSTable, draft_s: float = 0.0) -> float:
     a = np.asarray(a, dtype=np.float64)
     lengths = np.asarray(lengths)
     tau = len(lengths) + sum(a[r, :l].sum() for r, l in enumerate(lengths))
-    return float(rate(tau, int(len(lengths) + lengths.sum()), sps, draft_s))
+    return float(rate(tau, int(len(lengths) + lengths.sum()), sps, draft_s, len(lengths)))
 
 
 def greedy_prefix(a: np.ndarray, sps: SPSTable, early_stop: bool = True, draft_s: float = 0.0) -> np.ndarray:
@@ -71,14 +74,14 @@ def greedy_prefix(a: np.ndarray, sps: SPSTable, early_stop: bool = True, draft_s
     lengths = np.zeros(R, dtype=np.int64)
     best_lengths = lengths.copy()
     B, tau = R, float(R)
-    best = rate(tau, B, sps, draft_s)
+    best = rate(tau, B, sps, draft_s, R)
     for r, j in _order(a):
         if a[r, j] <= 0:
             break
         lengths[r] = j + 1
         B += 1
         tau += a[r, j]
-        theta = rate(tau, B, sps, draft_s)
+        theta = rate(tau, B, sps, draft_s, R)
         if theta > best:
             best, best_lengths = theta, lengths.copy()
         elif early_stop:
@@ -122,12 +125,12 @@ def static_threshold(a: np.ndarray, threshold: float) -> np.ndarray:
 def draft_rate(alpha: np.ndarray, R: int, sps: SPSTable, overhead_s: float = 0.0, prompt_s: float = 0.0) -> float:
     """The best Theta of drafting at R requests with one static length l = 1..gamma, predicted from the
     per-position conditional acceptance alpha (gamma,): tau = R * (1 + sum_{j<=l} prod_{i<=j} alpha_i),
-    and the round takes o + t_d(R) + kappa * tau + 1/SPS(R * (1 + l)), o the round's cost outside the
+    and the round takes o + t_d(R) + kappa * tau + t_v(R, R (1 + l)), o the round's cost outside the
     forward passes, kappa (`prompt_s`) the drafter's prompt reading per output token
     (`DraftGate.prompt_s_per_token`)."""
     tau = R * (1.0 + np.cumsum(np.cumprod(alpha)))  # (gamma,): l = 1..gamma
     t_d = sps.draft_time(R)
-    return max(rate(float(t), R * (2 + j), sps, t_d + overhead_s + prompt_s * t) for j, t in enumerate(tau))
+    return max(rate(float(t), R * (2 + j), sps, t_d + overhead_s + prompt_s * t, R) for j, t in enumerate(tau))
 
 
 def draft_gain(alpha: np.ndarray, R: int, sps: SPSTable, overhead_s: float = 0.0, prompt_s: float = 0.0) -> float:

@@ -27,12 +27,16 @@ class SPSTable:
     draft_batch: list[int] = field(default_factory=list)  # measured R values (requests), increasing
     draft_s: list[float] = field(default_factory=list)  # seconds per drafting round at each R
     extend_s: float = 0.0  # t_e: seconds per context position of a catch-up (0 = not measured)
+    verify_s: list[float] = field(default_factory=list)  # seconds verifying verify_tokens each, per draft_batch R
+    verify_tokens: int = 0  # tokens per request in verify_s (gamma + 1; 0 = not measured)
 
     def __post_init__(self):
         if not self.batch or len(self.batch) != len(self.sps) or any(np.diff(self.batch) <= 0):
             raise UserError("SPS table: 'batch' must be increasing and as long as 'sps'")
         if len(self.draft_batch) != len(self.draft_s) or any(np.diff(self.draft_batch) <= 0):
             raise UserError("SPS table: 'draft_batch' must be increasing and as long as 'draft_s'")
+        if self.verify_s and (len(self.verify_s) != len(self.draft_batch) or self.verify_tokens < 2):
+            raise UserError("SPS table: 'verify_s' must be as long as 'draft_batch', with 'verify_tokens' >= 2")
         # as arrays once: the policies call the table for every candidate draft of every round
         self._b, self._s = np.asarray(self.batch, dtype=np.float64), np.asarray(self.sps, dtype=np.float64)
 
@@ -53,6 +57,18 @@ class SPSTable:
         if R >= r[-1]:
             return float(t[-1] * R / r[-1])
         return float(np.interp(R, r, t))
+
+    def verify_time(self, B: int, R: int | None = None) -> float:
+        """t_v(R, B): seconds of a verification forward of B tokens for R requests (B >= R),
+            t_v = 1/SPS(R) + (B - R) * (t_full(R) - 1/SPS(R)) / (R * (k - 1)),
+        t_full(R) the profiled forward of R requests with k = verify_tokens each (interpolated between the
+        profiled R, proportional to R beyond the last); without R or without that profile, 1/SPS(B)."""
+        if R is None or not self.verify_s:
+            return 1.0 / self(B)
+        r, t = self.draft_batch, self.verify_s
+        full = float(t[-1] * R / r[-1]) if R >= r[-1] else float(np.interp(R, r, t))
+        one = 1.0 / self(R)
+        return one + (B - R) * max(full - one, 0.0) / (R * (self.verify_tokens - 1))
 
     def catch_up_time(self, positions: float) -> float:
         """Seconds for the drafter to read `positions` context positions it has not seen yet."""
