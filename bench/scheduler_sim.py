@@ -11,7 +11,8 @@ concurrent requests through every verification policy with an SPS(B) table.
    accepts min(n, l) and emits one more token (the acceptance process is sequential, so truncation
    is exact).
 2. Replay: R request slots, each drawing rounds from the trace; per step every policy chooses l_r,
-   the step takes 1 / SPS(sum(1 + l_r)) seconds and yields sum(min(n_r, l_r) + 1) tokens. The async
+   the step takes t_v(R, sum(1 + l_r)) seconds (1 / SPS(B) for a table without a verification profile:
+   `SPSTable.verify_time`) and yields sum(min(n_r, l_r) + 1) tokens. The async
    variant sizes its capacity from the survival of two steps earlier.
 3. Tables: the SPS table of the configured target measured on this machine (or --sps), and
    synthetic smooth / cliff tables. The target is loaded only to record a trace or to measure SPS.
@@ -71,7 +72,7 @@ def replay(
         ell = np.minimum(ell, gamma)
         acc = np.minimum(n, ell)
         tokens += float((acc + 1).sum())
-        time_s += 1.0 / sps(int(R + ell.sum()))
+        time_s += sps.verify_time(int(R + ell.sum()), R)  # 1/SPS(B) unless the table profiled verification
         verified += float(ell.sum())
         wasted += float((ell - acc).sum())
     return {

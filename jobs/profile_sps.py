@@ -49,7 +49,7 @@ def main(argv=None):
     table.hardware.update({"drafter": args.drafter} if args.drafter else {})
     table.save(args.out)
     for b, s in zip(table.batch, table.sps):
-        print(f"B={b:4d}  {s:8.2f} steps/s  {b * s:9.0f} tokens/s  verify {1000 / s:7.1f} ms")
+        print(f"B={b:4d}  {s:8.2f} steps/s  {b * s:9.0f} tokens/s  forward {1000 / s:7.1f} ms")
     for r, t in zip(table.draft_batch, table.draft_s):
         print(f"R={r:4d}  drafting round {1000 * t:7.1f} ms")
     for r, t in zip(table.draft_batch, table.verify_s):

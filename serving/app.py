@@ -216,7 +216,15 @@ class SpeculativeEngine:
             if drafter is not None and sc.policy != "none" and not sps.draft_batch:  # t_d(R) on this device
                 requests = sorted({R for R in sc.sps_batches if R < sc.max_batch} | {sc.max_batch})
                 add_draft_times(sps, tgt.model, drafter, requests, gamma, repeats=3)
-            log.info("cost tables ready in %.1fs: SPS(B) %s, t_d(R) %s", time.perf_counter() - t0, sps.sps, sps.draft_s)
+            if drafter is not None and sc.policy != "none" and not sps.verify_s:
+                log.warning("cost table without a verification profile: verification priced at 1/SPS(B)")
+            log.info(
+                "cost tables ready in %.1fs: SPS(B) %s, t_d(R) %s, verifying gamma + 1 tokens for R requests %s",
+                time.perf_counter() - t0,
+                sps.sps,
+                sps.draft_s,
+                sps.verify_s,
+            )
             return tgt, drafter, start, gamma, sps
 
         tgt, drafter, start, self.gamma, sps = on_own_thread(setup)

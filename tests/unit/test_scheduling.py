@@ -20,6 +20,7 @@ from dspark.scheduling.policies import (
     admit_top_k,
     async_global,
     capacity,
+    draft_gain,
     draft_pays,
     greedy_prefix,
     make_policy,
@@ -208,6 +209,15 @@ def test_verification_is_priced_by_its_requests_where_the_table_profiled_them():
     curve = SPSTable([1, 8], [100.0, 50.0], draft_batch=[1], draft_s=[0.01])
     profiled = SPSTable([1, 8], [100.0, 50.0], draft_batch=[1], draft_s=[0.01], verify_s=[0.011], verify_tokens=8)
     assert greedy_prefix(a, curve, draft_s=0.01).sum() < greedy_prefix(a, profiled, draft_s=0.01).sum() == 7
+    # and the gate's model prices drafting with it: verifying 8 tokens costs 1.1 steps, not 2
+    alpha = np.full(7, 0.6)
+    assert draft_gain(alpha, 1, profiled) > draft_gain(alpha, 1, curve)
+    assert throughput(a, [7], profiled) > throughput(a, [7], curve)
+    # between profiled request counts: interpolated (R = 2 of 1 and 4: a third of the way)
+    spread = SPSTable(
+        [1, 64], [100.0, 100.0], draft_batch=[1, 4], draft_s=[0.01, 0.02], verify_s=[0.013, 0.019], verify_tokens=4
+    )
+    assert spread.verify_time(8, 2) == pytest.approx(0.015)
 
 
 def test_the_draft_gate_follows_what_rounds_took_over_its_model():
