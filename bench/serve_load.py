@@ -34,7 +34,10 @@ and what every round of each kind took ([gate run] lines: a
 drafted round's tokens/s with the drafter's catch-up over earlier plain rounds' and new prompts'
 positions, which the gate's timing leaves out, and that catch-up's share of its time). After each point an
 indented line splits the point's wall time by what the engine thread did meanwhile (`Engine.busy_s`:
-admitting requests, their prefill included; rounds; turning tokens into text), the rest being its idle time.
+admitting requests, their prefill included; rounds; turning tokens into text), the rest being its idle time,
+and gives the mean time of the point's plain rounds (no drafting) at min(C, batch) requests
+(`Engine.plain_rounds`): about the same work in every mode's replica, so the adaptive mode's against
+target-only's (a line under each ratio) shows how much of a ratio is the replicas' own speed.
 """
 
 from __future__ import annotations
@@ -159,12 +162,24 @@ async def load(url, prompts, users, seconds, max_requests, sampling) -> dict:
     }
 
 
-def engine_busy(url: str) -> dict | None:
-    """The engine's busy seconds by phase so far (`Engine.busy_s`); None for a server without our /v1/engine."""
+def engine_stats(url: str) -> dict | None:
+    """The engine's busy seconds by phase (`Engine.busy_s`) and its rounds that did not draft by number of
+    requests (`Engine.plain_rounds`) so far; None for a server without our /v1/engine."""
     try:
-        return httpx.get(url + "/v1/engine", timeout=30).json().get("busy_s")
+        state = httpx.get(url + "/v1/engine", timeout=30).json()
     except (httpx.HTTPError, ValueError):
         return None
+    return state if isinstance(state, dict) and "busy_s" in state else None
+
+
+def plain_round_ms(before: dict | None, after: dict | None, R: int) -> float | None:
+    """Mean ms of a point's rounds at R requests that did not draft: about the same work in every mode's replica,
+    so across modes they show how fast each replica ran. None: no such round, or not our server."""
+    if not before or not after:
+        return None
+    n0, s0 = before.get("plain_rounds", {}).get(str(R), (0, 0.0))
+    n1, s1 = after.get("plain_rounds", {}).get(str(R), (0, 0.0))
+    return 1000 * (s1 - s0) / (n1 - n0) if n1 > n0 else None
 
 
 def save_costs(url: str, path: Path) -> None:
@@ -177,7 +192,7 @@ def print_costs(path: Path) -> None:
     table = SPSTable.load(path)
     print(f"[load] cost table {path} ({json.dumps(table.hardware)}):")
     for b, s in zip(table.batch, table.sps):
-        print(f"  verify B={b:3d} tokens: {1000 / s:7.1f} ms")
+        print(f"  target forward of B={b:3d} tokens (over min(B, batch) requests): {1000 / s:7.1f} ms")
     for r, t in zip(table.draft_batch, table.draft_s):
         print(f"  drafting round R={r:3d}: {1000 * t:7.1f} ms")
     for r, t in zip(table.draft_batch, table.verify_s):
@@ -225,8 +240,10 @@ def stop_vllm(proc: subprocess.Popen) -> None:
 
 
 def median_row(rows: list[dict]) -> dict:
-    """Per field, the median over repeats (None where our server's fields do not exist)."""
-    return {k: (statistics.median(r[k] for r in rows) if rows[0][k] is not None else None) for k in rows[0]}
+    """Per field, the median over the repeats where it exists (None where none has it: not our server, or a
+    point without a plain round)."""
+    values = {k: [r[k] for r in rows if r[k] is not None] for k in rows[0]}
+    return {k: statistics.median(v) if v else None for k, v in values.items()}
 
 
 def run_line(kind: str, v: dict) -> str:
@@ -304,11 +321,12 @@ def main(argv=None):
 
     def measure(rep: int, mode: str, c: int) -> None:
         per_user = max(args.requests, math.ceil(args.min_requests / c))
-        before = engine_busy(urls[mode])
+        before = engine_stats(urls[mode])
         r = asyncio.run(load(urls[mode], prompts, c, args.seconds, per_user, sampling))
-        after = engine_busy(urls[mode])
+        after = engine_stats(urls[mode])
         for phase in BUSY:  # where the engine thread's time went during the point (None: not our engine)
-            r[f"{phase}_s"] = after[phase] - before[phase] if before and after else None
+            r[f"{phase}_s"] = after["busy_s"][phase] - before["busy_s"][phase] if before and after else None
+        r["plain_round_ms"] = plain_round_ms(before, after, min(c, max_batch))
         results[mode][c].append(r)
         print(
             f"[{rep + 1}/{args.repeats}] {mode:30s} C={c:3d}: {r['tok_s']:7.1f} tok/s total, "
@@ -321,7 +339,8 @@ def main(argv=None):
             print(
                 f"    engine over the point's {r['wall_s']:.1f} s: "
                 + ", ".join(f"{phase} {r[f'{phase}_s']:.1f} s" for phase in BUSY)
-                + f", the rest {r['wall_s'] - sum(r[f'{phase}_s'] for phase in BUSY):.1f} s",
+                + f", the rest {r['wall_s'] - sum(r[f'{phase}_s'] for phase in BUSY):.1f} s; "
+                + f"a plain round of {min(c, max_batch)} requests {fmt(r['plain_round_ms'], '.2f')} ms",
                 flush=True,
             )
 
@@ -369,15 +388,16 @@ def main(argv=None):
     print(
         f"\nmedians over {args.repeats} repeat(s)"
         "\n| mode | C | requests | tokens | tok/s | tok/s per user | p50 s | p99 s | TTFT p50 s | mean budget "
-        "| drafting share |"
-        "\n|---|---|---|---|---|---|---|---|---|---|---|"
+        "| drafting share | plain round ms, min(C, batch) requests |"
+        "\n|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for mode, rows in med.items():
         for c, r in rows.items():
             print(
                 f"| {mode} | {c} | {r['requests']:.0f} | {r['tokens']:.0f} "
                 f"| {r['tok_s']:.1f} | {r['per_user_tok_s']:.1f} | {r['p50']:.2f} | {r['p99']:.2f} | "
-                f"{r['ttft_p50']:.2f} | {fmt(r['budget'], '.2f')} | {fmt(r['drafting_share'], '.2f')} |"
+                f"{r['ttft_p50']:.2f} | {fmt(r['budget'], '.2f')} | {fmt(r['drafting_share'], '.2f')} | "
+                f"{fmt(r['plain_round_ms'], '.2f')} |"
             )
     fixed = [m for m in modes if m.startswith(("target-only", "static"))]
     for c in conc if fixed and "adaptive" in results else []:
@@ -391,6 +411,12 @@ def main(argv=None):
             f"C={c}: adaptive / best fixed mode = {statistics.median(ratios):.3f} (median; per repeat "
             f"{', '.join(f'{x:.3f}' for x in ratios)}; best fixed by median: {best})"
         )
+        plain = med["adaptive"][c]["plain_round_ms"], med.get("target-only", {}).get(c, {}).get("plain_round_ms")
+        if None not in plain:  # about the same work in both replicas: how fast each ran
+            print(
+                f"    adaptive's plain rounds took {plain[0] / plain[1]:.3f}x target-only's "
+                f"({plain[0]:.2f} / {plain[1]:.2f} ms)"
+            )
     if vllm and "adaptive" in med:
         for c in conc:
             print(f"C={c}: adaptive / {vllm} = {med['adaptive'][c]['tok_s'] / med[vllm][c]['tok_s']:.3f}")

@@ -67,6 +67,11 @@ def test_concurrent_requests_get_exact_greedy_outputs(tgt, drafter, policy):
         outs = [collect(s) for s in streams]
         busy = eng.state()["busy_s"]  # the engine thread's time by phase: parts of its life, each one used
         assert min(busy.values()) > 0 and sum(busy.values()) < time.perf_counter() - started
+        # the rounds that did not draft, by their number of requests: all of them without a drafting policy
+        plain = eng.state()["plain_rounds"]
+        assert set(plain) <= {"1", "2", "3"} and sum(s for _, s in plain.values()) <= busy["rounds"]
+        if policy == "none":
+            assert sum(s for _, s in plain.values()) == pytest.approx(busy["rounds"]) and plain["3"][0] > 0
     finally:
         eng.close()
     plain = SpeculativeDecoder(tgt.model, None).run(

@@ -1,14 +1,17 @@
 """bench/serve_load.py takes its prompts from the prompt sets in turn, so that a load's first requests
 (a user sends items u, u + C, ...) cover every set rather than the first set only; its [gate run] lines
-count the drafter's catch-up in a drafted round's speed."""
+count the drafter's catch-up in a drafted round's speed; a point's plain rounds at full load are timed from
+the engine's counters, and a median skips the repeats without them."""
 
 import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
-from serve_load import bench_prompts, round_robin, run_line  # noqa: E402
+from serve_load import bench_prompts, median_row, plain_round_ms, round_robin, run_line  # noqa: E402
 
 from dspark.config import load_config  # noqa: E402
 
@@ -31,3 +34,19 @@ def test_a_drafted_rounds_speed_counts_its_catch_up():
     drafted = {"rounds": 10, "tokens": 90, "seconds": 0.8, "catch_up_s": 0.2}
     assert run_line("drafted", drafted) == "drafted 10 rounds, 90.0 tok/s (catch-up 20% of it)"
     assert run_line("plain", {**drafted, "catch_up_s": 0.0}) == "plain 10 rounds, 112.5 tok/s"
+
+
+def test_a_points_plain_rounds_are_the_difference_of_the_engines_counters():
+    before = {"busy_s": {}, "plain_rounds": {"16": [10, 0.08], "4": [3, 0.01]}}
+    after = {"busy_s": {}, "plain_rounds": {"16": [30, 0.24], "4": [3, 0.01], "15": [2, 0.02]}}
+    assert plain_round_ms(before, after, 16) == pytest.approx(8.0)  # 20 rounds in 0.16 s
+    assert plain_round_ms(before, after, 4) is None  # none in this point
+    assert plain_round_ms(before, after, 15) == pytest.approx(10.0)  # none before it
+    assert plain_round_ms(None, after, 16) is None  # not our server
+    rows = [
+        {"tok_s": 1.0, "plain_round_ms": None},
+        {"tok_s": 3.0, "plain_round_ms": 8.0},
+        {"tok_s": 2.0, "plain_round_ms": 6.0},
+    ]
+    assert median_row(rows) == {"tok_s": 2.0, "plain_round_ms": 7.0}
+    assert median_row([{"tok_s": 1.0, "budget": None}]) == {"tok_s": 1.0, "budget": None}
