@@ -123,7 +123,7 @@ def main(argv=None):
     print(
         f"scheduler_sim: {len(pooled['accepted'])} recorded rounds (code {len(trace['code']['accepted'])}, prose "
         f"{len(trace['prose']['accepted'])}), gamma {args.gamma}, {args.steps} steps per point, accepted tokens/s = "
-        f"sum(min(n, l) + 1) * SPS(B)"
+        f"sum(min(n, l) + 1) / t_v(R, B)"
     )
     for tname, sps in tables.items():
         results[tname] = {}

@@ -1,6 +1,7 @@
-"""Profile SPS(B), the target's verification steps per second at a total batch of B tokens, on this
-device, and with --drafter also t_d(R), the drafter's round time at R requests; save the table (with
-hardware info) for the scheduler:
+"""Profile SPS(B), the target's steps per second at a total batch of B tokens (over up to --max-requests
+requests), on this device, and with --drafter also t_d(R), the drafter's round time at R requests, and the
+verification of gamma + 1 tokens for each of R requests (t_v); save the table (with hardware info) for the
+scheduler:
 
     python jobs/profile_sps.py --out results/sps.json --batches 1,2,4,8,16,32,64 --context 256
     python jobs/profile_sps.py --config configs/smollm2.yaml --drafter s3://BUCKET/drafters/NAME --out sps.json

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
-from serve_load import bench_prompts, median_row, plain_round_ms, round_robin, run_line  # noqa: E402
+from serve_load import bench_prompts, median_row, plain_rounds, round_robin, run_line  # noqa: E402
 
 from dspark.config import load_config  # noqa: E402
 
@@ -39,10 +39,10 @@ def test_a_drafted_rounds_speed_counts_its_catch_up():
 def test_a_points_plain_rounds_are_the_difference_of_the_engines_counters():
     before = {"busy_s": {}, "plain_rounds": {"16": [10, 0.08], "4": [3, 0.01]}}
     after = {"busy_s": {}, "plain_rounds": {"16": [30, 0.24], "4": [3, 0.01], "15": [2, 0.02]}}
-    assert plain_round_ms(before, after, 16) == pytest.approx(8.0)  # 20 rounds in 0.16 s
-    assert plain_round_ms(before, after, 4) is None  # none in this point
-    assert plain_round_ms(before, after, 15) == pytest.approx(10.0)  # none before it
-    assert plain_round_ms(None, after, 16) is None  # not our server
+    assert plain_rounds(before, after, 16) == (20, pytest.approx(8.0))  # 20 rounds in 0.16 s
+    assert plain_rounds(before, after, 4) == (0, None)  # none in this point
+    assert plain_rounds(before, after, 15) == (2, pytest.approx(10.0))  # none before it
+    assert plain_rounds(None, after, 16) == (0, None)  # not our server
     rows = [
         {"tok_s": 1.0, "plain_round_ms": None},
         {"tok_s": 3.0, "plain_round_ms": 8.0},

@@ -146,9 +146,9 @@ class Engine:
         # seconds the engine thread spent admitting requests (their prefill and first token), in rounds, and
         # turning rounds' tokens into text events, since it started (state(): where a server's time goes)
         self.busy_s = {"prefill": 0.0, "rounds": 0.0, "emit": 0.0}
-        # R -> [rounds, seconds] of the rounds that did not draft: the same work in every mode's replica (a
-        # bench compares replicas with them)
-        self.plain_rounds: dict[int, list] = {}
+        # R -> (rounds, seconds) of the rounds that did not draft: in a replica that seldom drafts, about the
+        # work of a target-only one's rounds at R (a bench compares replicas with them)
+        self.plain_rounds: dict[int, tuple[int, float]] = {}
         self.running = True
         self.threads = threads  # torch intra-op threads of the engine thread (0 = torch's setting)
         self.torch_threads = 0  # what the engine thread runs with, once started
@@ -235,7 +235,7 @@ class Engine:
             "calibration": self.decoder.calibration.to_dict() if self.decoder.calibration else None,
             "draft_gate": self.decoder.gate.state() if self.decoder.gate is not None else None,
             "busy_s": dict(self.busy_s),
-            "plain_rounds": {str(R): list(v) for R, v in sorted(dict(self.plain_rounds).items())},
+            "plain_rounds": {str(R): list(v) for R, v in sorted(dict(self.plain_rounds).items())},  # a copy
         }
 
     def close(self) -> None:
@@ -283,9 +283,9 @@ class Engine:
                 continue
             t1 = time.perf_counter()
             busy["rounds"] += t1 - t0
-            if not any(r.rounds and r.rounds[-1].drafted for r in batch):
-                plain = self.plain_rounds.setdefault(len(batch), [0, 0.0])
-                plain[0], plain[1] = plain[0] + 1, plain[1] + t1 - t0
+            if not (batch[0].rounds and batch[0].rounds[-1].drafted):  # a round drafts for all its requests or none
+                n, s = self.plain_rounds.get(len(batch), (0, 0.0))
+                self.plain_rounds[len(batch)] = (n + 1, s + (t1 - t0))  # one store: state() reads it whole
             self._observe(batch, t1 - t0)
             for r in batch:
                 self._emit_or_fail(self.streams[id(r)])

@@ -1,7 +1,7 @@
 """Profiling a round's cost on its device, saved as a scheduling.sps.SPSTable (the scheduler's cost
-curves): SPS(B), the target's verification steps per second at a total batch of B new tokens, and
-t_d(R), the seconds of one drafting round for R requests. It lives next to the decoder it times, so
-that scheduling stays a pure leaf."""
+curves): SPS(B), the target's steps per second at a total batch of B new tokens, t_d(R), the seconds of
+one drafting round for R requests, and the forward of R requests with gamma + 1 tokens each that prices
+their verification (t_v). It lives next to the decoder it times, so that scheduling stays a pure leaf."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ lengths) and kept as a table; a table measured elsewhere (production hardware) c
 - t_e: seconds per context position the drafter reads when it catches up (a new request's prompt,
   the positions committed in rounds that did not draft);
 - t_v(R, B): seconds of verifying B tokens of R requests. Where attention over each request's cache is
-  much of a step (a CPU, a small target), R requests with 8 tokens each cost less than 8R requests with
-  one (on the built-in target 5.0 against 5.6 ms at R = 1, 18.8 against 24.8 at R = 16). So the table
+  much of a step (a CPU, a small target), R requests with 8 tokens each cost less than SPS(8R) says (on the
+  built-in target 5.0 against 5.6 ms at R = 1, 18.8 against 24.8 at R = 16). So the table
   also holds, at each R of t_d's, one forward of R requests with gamma + 1 tokens each (`verify_s`), and
   t_v runs linearly from 1/SPS(R) (one token each) to it over the B - R drafts verified; without it,
   t_v = 1/SPS(B).
@@ -61,8 +61,8 @@ class SPSTable:
         return self._per_request(R, self.draft_s) if self.draft_batch else 0.0
 
     def _per_request(self, R: int, seconds: list[float]) -> float:
-        """A time profiled at each R of draft_batch, at R: linear interpolation inside the table (the first
-        value below it), proportional to R beyond it."""
+        """A time profiled at each R of draft_batch, at R: linear interpolation inside the table, the first
+        value below its first R, proportional to R beyond its last."""
         r = self.draft_batch
         return float(seconds[-1] * R / r[-1]) if R >= r[-1] else float(np.interp(R, r, seconds))
 
