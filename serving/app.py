@@ -192,6 +192,7 @@ class SpeculativeEngine:
         from dspark.decoding.engine import Engine
         from dspark.decoding.profile import add_draft_times, profile
         from dspark.models import load_drafter
+        from dspark.scheduling.policies import ADAPTIVE
         from dspark.scheduling.sps import SPSTable
 
         cfg = _cfg(cfg_json)
@@ -216,7 +217,7 @@ class SpeculativeEngine:
             if drafter is not None and sc.policy != "none" and not sps.draft_batch:  # t_d(R) on this device
                 requests = sorted({R for R in sc.sps_batches if R < sc.max_batch} | {sc.max_batch})
                 add_draft_times(sps, tgt.model, drafter, requests, gamma, repeats=3)
-            if drafter is not None and sc.policy != "none" and not sps.verify_s:
+            if drafter is not None and sc.policy in ADAPTIVE and not sps.verify_s:  # the policies that price it
                 log.warning("cost table without a verification profile: verification priced at 1/SPS(B)")
             log.info(
                 "cost tables ready in %.1fs: SPS(B) %s, t_d(R) %s, verifying gamma + 1 tokens for R requests %s",

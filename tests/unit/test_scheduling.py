@@ -151,6 +151,28 @@ def test_async_policy_is_unbiased_in_its_first_rounds(history):
     assert p_value > 1e-3, p_a
 
 
+# the same target and drafts, verification priced by its requests: 1, 1.61, 2.22 s for 0, 1, 2 drafts of one
+APPENDIX_PROFILED = SPSTable(
+    [1, 2, 3], [1.0, 0.5, 0.45], draft_batch=[1], draft_s=[0.0], verify_s=[1 / 0.45], verify_tokens=3
+)
+
+
+@pytest.mark.parametrize("policy", ["greedy", "async"])
+def test_verification_priced_by_its_requests_keeps_the_output_law(policy):
+    """With t_v(R, B) verifying x_1 pays, and x_2 too where x_1 = A (a_2 = 0.72, else 0): Algorithm 1 and the
+    async policy's first round (a fresh policy per sample) admit x_2 looking at a_2, never at a survival beyond
+    the draft they admit, so the first emitted token is still distributed as p_1, P(A) = 0.7."""
+
+    def choose(a):
+        return make_policy(policy, APPENDIX_PROFILED)(a, 1, 2)[0]
+
+    # the profile changes the decision: priced at SPS(B) alone, neither round verifies a draft
+    assert [choose(np.array([[0.8, a2]])) for a2 in (0.72, 0.0)] == [2, 1]
+    assert [make_policy(policy, APPENDIX_SPS)(np.array([[0.8, a2]]), 1, 2)[0] for a2 in (0.72, 0.0)] == [0, 0]
+    p_a, p_value = _p_a(f"{policy}, priced by requests", _appendix_a_output(choose, 20_000))
+    assert p_value > 1e-3, p_a
+
+
 def test_async_policy_uses_two_round_old_capacity_once_it_has_it():
     policy = make_policy("async", SMOOTH)
     high, low = survival([[0.99] * 7] * 4), survival([[0.01] * 7] * 4)
