@@ -279,6 +279,39 @@ def test_the_draft_gate_follows_what_rounds_took_over_its_model():
     }
 
 
+def test_a_plain_round_right_after_a_drafted_one_is_not_timed():
+    """The target's forward right after the drafter's round runs slower (a switching cost that steady
+    drafting's verifications pay already): such a plain round is not timed, the gate asks for a second plain
+    round and times that, so drafting that loses to steady plain decoding stops, though it beats plain rounds
+    that follow drafted ones."""
+
+    def serve(gate, tell: bool, rounds=24):
+        decisions, last = [], False
+        for _ in range(rounds):
+            draft = gate(1)
+            decisions.append(draft)
+            # drafted: 3 tokens in 32 ms (94 tokens/s); plain: 10 ms, 14 ms right after a drafted round (71)
+            seconds = 0.032 if draft else 0.014 if last else 0.01
+            gate.timed(1, draft, 3 if draft else 1, seconds, after_drafted=tell and last)
+            last = draft
+        return decisions
+
+    sps = SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.001])  # the model: drafting is cheap
+    gate = DraftGate(sps, gamma=4, max_interval=8, overhead=math.inf, min_rounds=2)
+    gate.observe([4], [4])
+    decisions = serve(gate, tell=True)
+    assert decisions[:8] == [True, True, False, False, True, True, False, False]  # the second plain round timed
+    after_drafted = sum(a and not b for a, b in zip(decisions, decisions[1:]))
+    plain = gate.state()["run"]["1"]["plain"]  # every plain round counted, those after drafted ones untimed
+    assert gate.speed(1, False) == (pytest.approx(100.0), plain["rounds"] - after_drafted) and after_drafted >= 4
+    assert not gate.drafting_pays(1) and decisions[8] is False  # steady plain decoding wins
+    assert sum(decisions[8:]) <= 3  # probes only
+    # told nothing, the gate times plain rounds after drafted ones and drafts on at a loss
+    blind = DraftGate(sps, gamma=4, max_interval=8, overhead=math.inf, min_rounds=2)
+    blind.observe([4], [4])
+    assert sum(serve(blind, tell=False)[8:]) >= 12 and blind.drafting_pays(1)
+
+
 def test_where_r_was_not_measured_the_nearest_measured_load_decides():
     """Drafting's gain shrinks as load grows: a loss measured at the nearest R' < R holds at R, and such an R
     is probed at the probes' price instead of drafting every other round until measured; a win at the

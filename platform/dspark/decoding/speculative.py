@@ -140,6 +140,7 @@ class SpeculativeDecoder:
         self.drafter_failures, self.backoff_left = 0, 0  # consecutive drafter errors; rounds left to skip
         self.last_survival: Optional[torch.Tensor] = None  # (R, gamma) of the latest round, for observers
         self.gate = gate  # None: draft every round
+        self.drafted_last = False  # the latest round drafted (the gate does not time a plain round after one)
 
     # -- requests
     def add(self, req: Request) -> None:
@@ -339,7 +340,8 @@ class SpeculativeDecoder:
         self.active = [r for r in reqs if not r.done]
         if self.gate is not None and self.gamma:
             seconds = time.perf_counter() - start - probe_s
-            self.gate.timed(len(reqs), prop is not None, sum(n_acc) + len(reqs), seconds, probe_s)
+            self.gate.timed(len(reqs), prop is not None, sum(n_acc) + len(reqs), seconds, probe_s, self.drafted_last)
+            self.drafted_last = prop is not None
 
     def _verify(
         self,

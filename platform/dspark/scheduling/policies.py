@@ -236,7 +236,8 @@ class DraftGate:
     serve_load run, against 0.7 s at R = 1-4). Else the model decides, its rounds priced with the measured cost of a
     plain round beyond the profiled forward pass (`overhead_s`). While drafting, a plain round is timed
     every other drafted round until there are `min_rounds` of them, then every `max_interval`-th (every
-    other round for max_interval <= 2).
+    other round for max_interval <= 2); only a plain round after a plain one is timed (`timed`), so the
+    decoder, which says when a round follows a drafted one, gets two plain rounds in a row there.
 
     The requests: how many drafts a round gets accepted depends on the requests more than on the
     server, so when the decoder says which requests the round is for (`own`: each one's drafted rounds
@@ -481,15 +482,29 @@ class DraftGate:
         per position), its share per output token over the requests that ended (0 before any did)."""
         return self.sps.catch_up_time(self.prompt_tokens) / self.output_tokens if self.output_tokens else 0.0
 
-    def timed(self, R: int, drafted: bool, tokens: int, seconds: float, catch_up_s: float = 0.0) -> None:
+    def timed(
+        self,
+        R: int,
+        drafted: bool,
+        tokens: int,
+        seconds: float,
+        catch_up_s: float = 0.0,
+        after_drafted: bool = False,
+    ) -> None:
         """A round of R requests emitted `tokens` in `seconds` (its catch-up excluded); drafted or plain.
         A drafted round's measured rate is charged its tokens' share of prompt reading (`prompt_s_per_token`);
         `catch_up_s`, the catch-up it excluded, is only counted in the run's totals (`state`), which hold the
-        seconds the rounds took."""
+        seconds the rounds took. A plain round right after a drafted one (`after_drafted`) is counted there
+        too but not timed: the target's forward after the drafter's round runs slower for a few rounds (in one
+        process +4% / +12% / +12% at R = 1 / 4 / 16), a cost of switching that steady drafting's verifications
+        pay already, not of plain decoding. Its R's count of drafted rounds since a timed plain one stays, so
+        while drafting pays the next round is plain again, and timed."""
         if seconds <= 0:
             return
         n, t, s, c = self.totals.get((R, drafted), (0, 0, 0.0, 0.0))
         self.totals[(R, drafted)] = (n + 1, t + tokens, s + seconds, c + catch_up_s)
+        if after_drafted and not drafted:
+            return
         charged = seconds + self.prompt_s_per_token() * tokens if drafted else seconds
         self.rounds_timed.setdefault((R, drafted), RoundTimes(1 / self.window)).add(tokens, charged)
         if not drafted:
