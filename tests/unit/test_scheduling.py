@@ -17,6 +17,7 @@ from dspark.decoding.verify import verify_sampled
 from dspark.errors import UserError
 from dspark.scheduling.policies import (
     DraftGate,
+    RoundTimes,
     admit_top_k,
     async_global,
     capacity,
@@ -279,11 +280,12 @@ def test_the_draft_gate_follows_what_rounds_took_over_its_model():
     }
 
 
-def test_a_plain_round_right_after_a_drafted_one_is_not_timed():
+def test_a_plain_round_right_after_a_drafted_one_is_charged_to_it():
     """The target's forward right after the drafter's round runs slower (a switching cost that steady
-    drafting's verifications pay already): such a plain round is not timed, the gate asks for a second plain
-    round and times that, so drafting that loses to steady plain decoding stops, though it beats plain rounds
-    that follow drafted ones."""
+    drafting never pays, nor steady plain decoding): such a plain round is not timed as plain, what it took
+    beyond the plain rounds timed is charged to the drafted round before it, and the gate asks for a second
+    plain round and times that. So drafting that loses to steady plain decoding stops, though it beats plain
+    rounds that follow drafted ones, and its probes are priced with the switch back."""
 
     def serve(gate, tell: bool, rounds=24):
         decisions, last = [], False
@@ -301,15 +303,35 @@ def test_a_plain_round_right_after_a_drafted_one_is_not_timed():
     gate.observe([4], [4])
     decisions = serve(gate, tell=True)
     assert decisions[:8] == [True, True, False, False, True, True, False, False]  # the second plain round timed
-    after_drafted = sum(a and not b for a, b in zip(decisions, decisions[1:]))
+    switches = [i for i in range(len(decisions) - 1) if decisions[i] and not decisions[i + 1]]
     plain = gate.state()["run"]["1"]["plain"]  # every plain round counted, those after drafted ones untimed
-    assert gate.speed(1, False) == (pytest.approx(100.0), plain["rounds"] - after_drafted) and after_drafted >= 4
+    assert gate.speed(1, False) == (pytest.approx(100.0), plain["rounds"] - len(switches)) and len(switches) >= 4
+    # the switches back once min_rounds plain rounds were timed (rounds 3 and 7) cost their drafted round 4 ms
+    charged = 0.004 * sum(i >= 7 for i in switches)
+    assert gate.speed(1, True) == (
+        pytest.approx(3 * sum(decisions) / (0.032 * sum(decisions) + charged)),
+        sum(decisions),
+    )
     assert not gate.drafting_pays(1) and decisions[8] is False  # steady plain decoding wins
     assert sum(decisions[8:]) <= 3  # probes only
     # told nothing, the gate times plain rounds after drafted ones and drafts on at a loss
     blind = DraftGate(sps, gamma=4, max_interval=8, overhead=math.inf, min_rounds=2)
     blind.observe([4], [4])
     assert sum(serve(blind, tell=False)[8:]) >= 12 and blind.drafting_pays(1)
+
+
+def test_round_times_charge_their_latest_round():
+    """Charging the latest round moves every average as if it had been timed at its full cost."""
+    rounds = [(3, 0.03), (1, 0.01), (4, 0.05)] * 5  # 15 rounds: past the running mean of weight 0.1
+    charged, direct = RoundTimes(0.1), RoundTimes(0.1)
+    for k, (t, s) in enumerate(rounds):
+        charged.add(t, s)
+        direct.add(t, s + (0.02 if k % 4 == 1 else 0.0))
+        if k % 4 == 1:
+            charged.charge(0.02)
+    for field in ("t", "s", "tt", "ss", "ts"):
+        assert getattr(charged, field) == pytest.approx(getattr(direct, field))
+    assert charged.rate_se() == pytest.approx(direct.rate_se())
 
 
 def test_where_r_was_not_measured_the_nearest_measured_load_decides():

@@ -173,6 +173,17 @@ class RoundTimes:
         self.t, self.s = running_average(self.t, n, tokens, w), running_average(self.s, n, seconds, w)
         self.tt, self.ss = running_average(self.tt, n, tokens**2, w), running_average(self.ss, n, seconds**2, w)
         self.ts = running_average(self.ts, n, tokens * seconds, w)
+        self.last = (tokens, seconds)
+
+    def charge(self, seconds: float) -> None:
+        """The latest round cost `seconds` more than it was timed at (a cost it left to the round after it):
+        its value in each average moves by that, at the weight it entered with, max(weight, 1 / n)."""
+        t, s = self.last
+        v = max(self.weight, 1 / self.n)
+        self.s += v * seconds
+        self.ss += v * ((s + seconds) ** 2 - s**2)
+        self.ts += v * t * seconds
+        self.last = (t, s + seconds)
 
     @property
     def rate(self) -> float:
@@ -236,8 +247,9 @@ class DraftGate:
     serve_load run, against 0.7 s at R = 1-4). Else the model decides, its rounds priced with the measured cost of a
     plain round beyond the profiled forward pass (`overhead_s`). While drafting, a plain round is timed
     every other drafted round until there are `min_rounds` of them, then every `max_interval`-th (every
-    other round for max_interval <= 2); only a plain round after a plain one is timed (`timed`), so the
-    decoder, which says when a round follows a drafted one, gets two plain rounds in a row there.
+    other round for max_interval <= 2); only a plain round after a plain one is timed as plain (`timed`:
+    the one after a drafted round is slower, a switching cost charged to that drafted round), so there the
+    gate takes two plain rounds in a row.
 
     The requests: how many drafts a round gets accepted depends on the requests more than on the
     server, so when the decoder says which requests the round is for (`own`: each one's drafted rounds
@@ -290,6 +302,7 @@ class DraftGate:
         self.verdicts: dict[int, bool] = {}  # R > 1 -> the server's measured verdict there (`measured(R)`)
         self.gains: dict[int, float] = {}  # R > 1 -> measured drafted / plain tokens/s there, beside its verdict
         self.since_plain: dict[int, int] = {}  # R -> drafted rounds since a plain round was timed at R
+        self.last_drafted: Optional[int] = None  # R of the latest drafted round timed
         self.totals: dict[tuple[int, bool], tuple] = {}  # (R, drafted) -> rounds, tokens, s, catch-up s
         # the server's mean accepted drafts per request and drafted round, over the last `window` or so
         self.accepted, self.request_rounds = 0.0, 0
@@ -494,22 +507,31 @@ class DraftGate:
         """A round of R requests emitted `tokens` in `seconds` (its catch-up excluded); drafted or plain.
         A drafted round's measured rate is charged its tokens' share of prompt reading (`prompt_s_per_token`);
         `catch_up_s`, the catch-up it excluded, is only counted in the run's totals (`state`), which hold the
-        seconds the rounds took. A plain round right after a drafted one (`after_drafted`) is counted there
-        too but not timed: the target's forward after the drafter's round runs slower for a few rounds (in one
-        process +4% / +12% / +12% at R = 1 / 4 / 16), a cost of switching that steady drafting's verifications
-        pay already, not of plain decoding. Its R's count of drafted rounds since a timed plain one stays, so
-        while drafting pays the next round is plain again, and timed."""
+        seconds the rounds took.
+
+        A plain round right after a drafted one (`after_drafted`) is counted there too but not timed as plain:
+        the target's forward after the drafter's round runs slower (in one process +4% / +12% / +12% at R = 1 /
+        4 / 16), a cost of switching back that steady drafting never pays and steady plain decoding neither.
+        What it took beyond the plain rounds timed at R is charged to that drafted round (`RoundTimes.charge`):
+        a probe costs its round and the switch back. Its R's count of drafted rounds since a timed plain round
+        stays, so while drafting pays the next round is plain again, and timed."""
         if seconds <= 0:
             return
         n, t, s, c = self.totals.get((R, drafted), (0, 0, 0.0, 0.0))
         self.totals[(R, drafted)] = (n + 1, t + tokens, s + seconds, c + catch_up_s)
-        if after_drafted and not drafted:
-            return
-        charged = seconds + self.prompt_s_per_token() * tokens if drafted else seconds
-        self.rounds_timed.setdefault((R, drafted), RoundTimes(1 / self.window)).add(tokens, charged)
-        if not drafted:
-            self.model_gains.pop(R, None)  # o(R) moved
-        self.since_plain[R] = self.since_plain.get(R, 0) + 1 if drafted else 0
+        if after_drafted and not drafted:  # the switch back: the drafted round's
+            plain, R = self.enough(R, False), self.last_drafted
+            if plain is None or R is None:
+                return
+            self.rounds_timed[(R, True)].charge(seconds - plain.s)
+        else:
+            charged = seconds + self.prompt_s_per_token() * tokens if drafted else seconds
+            self.rounds_timed.setdefault((R, drafted), RoundTimes(1 / self.window)).add(tokens, charged)
+            if not drafted:
+                self.model_gains.pop(R, None)  # o(R) moved
+            self.since_plain[R] = self.since_plain.get(R, 0) + 1 if drafted else 0
+            if drafted:
+                self.last_drafted = R
         if R > 1 and (verdict := self.measured(R)) is not None:  # R = 1: one request's acceptance decides
             self.verdicts[R] = verdict
             self.gains[R] = self.speed(R, True)[0] / self.speed(R, False)[0]
