@@ -13,6 +13,7 @@ other statistical tests (10,000 requests each) on a tiny random Qwen3, where the
 import collections
 import itertools
 import os
+import time
 
 import numpy as np
 import pytest
@@ -746,6 +747,40 @@ def test_a_drafter_that_skipped_rounds_catches_up_to_the_same_state(tgt, prompt,
     for key, value in fresh.extra.items():
         if isinstance(value, torch.Tensor):
             assert torch.allclose(value, req.state.extra[key], atol=1e-5), key
+
+
+def test_the_gate_hears_which_plain_rounds_follow_a_drafted_one_on_the_decoders_clock(tgt, prompt):
+    """Each round reaches the gate with whether the round before it drafted (a plain round right after one
+    is the switch back, not plain decoding's cost), timed on the decoder's clock: on the CPU with one torch
+    thread the thread's CPU time, which leaves out other threads' turns, else wall time."""
+    told = []
+
+    class Pattern:  # a gate: draft in rounds 0, 1, 4, 5, ..
+        def __init__(self):
+            self.calls = itertools.count()
+
+        def __call__(self, R, behind, own):
+            return next(self.calls) % 4 < 2
+
+        def observe(self, verified, accepted):
+            pass
+
+        def timed(self, R, drafted, tokens, seconds, catch_up_s=0.0, after_drafted=False):
+            told.append((drafted, after_drafted))
+
+    dec = SpeculativeDecoder(tgt.model, _drafter(tgt, "dspark"), gamma=4, gate=Pattern())
+    assert torch.get_num_threads() == 1 and dec.clock is time.thread_time  # the suite runs torch on one thread
+    dec.add(Request(prompt, SamplingParams(0.0), 64))
+    for _ in range(8):
+        dec.step()
+    drafted = [True, True, False, False] * 2
+    assert told == list(zip(drafted, [False] + drafted[:-1]))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert SpeculativeDecoder(tgt.model, None).clock is time.perf_counter
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_failed_prefill_frees_its_slot(tgt, prompt, monkeypatch):

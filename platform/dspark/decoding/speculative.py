@@ -141,6 +141,11 @@ class SpeculativeDecoder:
         self.last_survival: Optional[torch.Tensor] = None  # (R, gamma) of the latest round, for observers
         self.gate = gate  # None: draft every round
         self.drafted_last = False  # the latest round drafted (the gate does not time a plain round after one)
+        # the gate's clock: where a round's work runs on this thread alone (torch on the CPU, one thread), the
+        # CPU time it spent, which leaves out other threads' turns (a server's event loop holding the GIL while
+        # requests end and start) and other processes': fixed costs that would weigh more on short rounds
+        one_thread = self.runner.device.type == "cpu" and torch.get_num_threads() == 1
+        self.clock = time.thread_time if one_thread else time.perf_counter
 
     # -- requests
     def add(self, req: Request) -> None:
@@ -269,21 +274,21 @@ class SpeculativeDecoder:
         reqs = self.active
         if not reqs:
             return
-        start = time.perf_counter()
+        start = self.clock()
         anchors = torch.tensor([r.out[-1] for r in reqs])
         drafts = probs_q = survival = conf_logits = prop = None
         lengths = [0] * len(reqs)
         probe_s = 0.0  # the catch-up beyond one drafted round's positions: a probe's price (probe_gap)
         own = [(r.drafted_rounds, r.drafts_accepted) for r in reqs] if self.gate is not None else None
         if self.gamma and (self.gate is None or self.gate(len(reqs), self._behind(reqs), own)):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), self.clock()
             # steady drafting reads the previous drafted round's tokens; the rest is earlier plain rounds' and prompts'
             extra = sum(r.behind for r in reqs if not (r.rounds and r.rounds[-1].drafted))
             behind = sum(r.behind for r in reqs)
             caught_up = self._catch_up(reqs)
             if self.gate is not None and extra:  # only the gate reads round times
                 self._sync()
-                probe_s = (time.perf_counter() - t0) * extra / behind
+                probe_s = (self.clock() - c0) * extra / behind
             if caught_up:
                 prop = self._propose(reqs, anchors)
         if prop is not None:
@@ -339,7 +344,7 @@ class SpeculativeDecoder:
                 self.gate.finished(len(r.prompt), len(r.out), [x.accepted for x in r.rounds if x.drafted])
         self.active = [r for r in reqs if not r.done]
         if self.gate is not None and self.gamma:
-            seconds = time.perf_counter() - start - probe_s
+            seconds = self.clock() - start - probe_s
             self.gate.timed(len(reqs), prop is not None, sum(n_acc) + len(reqs), seconds, probe_s, self.drafted_last)
             self.drafted_last = prop is not None
 
