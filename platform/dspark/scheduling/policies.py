@@ -217,10 +217,11 @@ class DraftGate:
     probe, so that the measurement below, not the alpha of a few early rounds, soon decides there.
     max_interval = 0: draft every round.
 
-    The measurement: the decoder reports what each round took (`timed`: tokens emitted, and seconds
-    without the part of the drafter's catch-up that reads positions of earlier plain rounds or new
-    prompts, which is the probe's price above; reading the previous drafted round's tokens is part of
-    drafting; `RoundTimes`, over the last `window` or so rounds of each kind). Reading prompts is a cost
+    The measurement: the decoder reports what each round took (`timed`: tokens emitted, and seconds on
+    its clock, the engine thread's CPU time where the round runs on that thread alone, without the part of
+    the drafter's catch-up that reads positions of earlier plain rounds or new prompts, which is the
+    probe's price above; reading the previous drafted round's tokens is part of drafting; `RoundTimes`,
+    over the last `window` or so rounds of each kind). Reading prompts is a cost
     of drafting all the same (plain decoding never reads them), so a drafted round is charged it per
     output token instead of when it happens: kappa = t_e * P / O, the server's mean prompt P and output
     O of the requests that ended (`finished`; `prompt_s_per_token`), times the tokens it emitted; the
