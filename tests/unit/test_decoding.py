@@ -356,7 +356,7 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         gate.scaled = lambda R: carried.append(scaled(R)) or carried[-1]
     else:
         gate = policies.DraftGate(cost, 4, max_interval=1, min_rounds=0)
-    if kind not in CLOCKED:  # the model's decisions alone (min_rounds 0): no wall clock
+    if kind not in CLOCKED:  # the model's decisions alone (min_rounds 0): no measured round times
         gate.timed = lambda R, drafted, tokens, seconds, catch_up_s=0.0, after_drafted=False: None
     R = 1 if kind == "lone" else 256
     dec = SpeculativeDecoder(model, PerturbedTarget(model, 4), gamma=4, policy=policy, max_slots=R, gate=gate)
@@ -749,10 +749,10 @@ def test_a_drafter_that_skipped_rounds_catches_up_to_the_same_state(tgt, prompt,
             assert torch.allclose(value, req.state.extra[key], atol=1e-5), key
 
 
-def test_the_gate_hears_which_plain_rounds_follow_a_drafted_one_on_the_decoders_clock(tgt, prompt):
+def test_the_gate_hears_which_plain_rounds_follow_a_drafted_one_on_the_decoders_clock(tgt, prompt, monkeypatch):
     """Each round reaches the gate with whether the round before it drafted (a plain round right after one
-    is the switch back, not plain decoding's cost), timed on the decoder's clock: on the CPU with one torch
-    thread the thread's CPU time, which leaves out other threads' turns, else wall time."""
+    is the switch back, not plain decoding's cost), timed on the decoder's clock alone: on the CPU with one
+    torch thread the thread's CPU time, which leaves out other threads' turns, else wall time."""
     told = []
 
     class Pattern:  # a gate: draft in rounds 0, 1, 4, 5, ..
@@ -766,21 +766,22 @@ def test_the_gate_hears_which_plain_rounds_follow_a_drafted_one_on_the_decoders_
             pass
 
         def timed(self, R, drafted, tokens, seconds, catch_up_s=0.0, after_drafted=False):
-            told.append((drafted, after_drafted))
+            told.append((drafted, after_drafted, seconds, catch_up_s))
 
     dec = SpeculativeDecoder(tgt.model, _drafter(tgt, "dspark"), gamma=4, gate=Pattern())
     assert torch.get_num_threads() == 1 and dec.clock is time.thread_time  # the suite runs torch on one thread
+    ticks = itertools.count()
+    dec.clock = lambda: float(next(ticks))  # a clock that moves one second at each reading
     dec.add(Request(prompt, SamplingParams(0.0), 64))
     for _ in range(8):
         dec.step()
     drafted = [True, True, False, False] * 2
-    assert told == list(zip(drafted, [False] + drafted[:-1]))
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert SpeculativeDecoder(tgt.model, None).clock is time.perf_counter
-    finally:
-        torch.set_num_threads(before)
+    assert [(d, a) for d, a, _, _ in told] == list(zip(drafted, [False] + drafted[:-1]))
+    # read at a round's start and end, and around a drafted round's catch-up: a drafted round after plain
+    # ones (or the prompt) reads their positions, a probe's price that its seconds leave out
+    assert [(s, c) for _, _, s, c in told] == [(2.0, 1.0), (2.0, 0.0), (1.0, 0.0), (1.0, 0.0)] * 2
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert SpeculativeDecoder(tgt.model, None).clock is time.perf_counter
 
 
 def test_a_failed_prefill_frees_its_slot(tgt, prompt, monkeypatch):

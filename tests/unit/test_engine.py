@@ -60,7 +60,7 @@ def test_concurrent_requests_get_exact_greedy_outputs(tgt, drafter, policy):
     cost = SPSTable([1, 16], [100.0, 90.0], draft_batch=[1], draft_s=[0.03])
     started = time.perf_counter()
     eng = engine(tgt, drafter, policy=policy, max_batch=3, max_queue=16, probe_rounds=2, sps=cost)
-    if eng.decoder.gate is not None:  # the cost model decides (wall-clock measurements must not steer a test)
+    if eng.decoder.gate is not None:  # the cost model decides (measured round times must not steer a test)
         eng.decoder.gate.timed = lambda R, drafted, tokens, seconds, catch_up_s=0.0, after_drafted=False: None
     try:
         streams = [eng.submit(ids_of(tgt, p), SamplingParams(0.0), 16, 0) for p in prompts]  # 7 requests, 3 slots

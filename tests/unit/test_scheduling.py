@@ -314,6 +314,14 @@ def test_a_plain_round_right_after_a_drafted_one_is_charged_to_it():
     )
     assert not gate.drafting_pays(1) and decisions[8] is False  # steady plain decoding wins
     assert sum(decisions[8:]) <= 3  # probes only
+    # the switch back at another R (a request ended): charged once, to the drafted round's R
+    moved = DraftGate(sps, gamma=4, max_interval=8, min_rounds=2)
+    for _ in range(2):
+        moved.timed(3, False, 3, 0.01)
+    moved.timed(4, True, 8, 0.04)
+    moved.timed(3, False, 3, 0.015, after_drafted=True)  # 5 ms beyond R = 3's plain rounds
+    moved.timed(3, False, 3, 0.015, after_drafted=True)  # no drafted round left to charge
+    assert moved.speed(4, True) == (pytest.approx(8 / 0.045), 1) and moved.speed(3, False)[1] == 2
     # told nothing, the gate times plain rounds after drafted ones and drafts on at a loss
     blind = DraftGate(sps, gamma=4, max_interval=8, overhead=math.inf, min_rounds=2)
     blind.observe([4], [4])

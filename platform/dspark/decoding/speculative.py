@@ -162,6 +162,7 @@ class SpeculativeDecoder:
                     f"prompt of {len(req.prompt)} tokens + max_tokens {req.max_new_tokens} exceeds the "
                     f"context limit of {self.max_len} tokens"
                 )
+        self.drafted_last = False  # the prefill's target forward comes between: no switch back to time
         t0 = time.perf_counter()
         try:  # whatever fails (a full cache, NaN logits), no slot leaks
             for req in reqs:

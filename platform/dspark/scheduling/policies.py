@@ -166,6 +166,7 @@ class RoundTimes:
     def __init__(self, weight: float):
         self.weight, self.n = weight, 0
         self.t = self.s = self.tt = self.ss = self.ts = 0.0
+        self.last = (0.0, 0.0)  # the latest round's tokens and seconds
 
     def add(self, tokens: float, seconds: float) -> None:
         self.n += 1
@@ -176,8 +177,10 @@ class RoundTimes:
         self.last = (tokens, seconds)
 
     def charge(self, seconds: float) -> None:
-        """The latest round cost `seconds` more than it was timed at (a cost it left to the round after it):
-        its value in each average moves by that, at the weight it entered with, max(weight, 1 / n)."""
+        """The latest round (t, s) cost d = `seconds` more than it was timed at (a cost it left to the round
+        after it): with v = max(weight, 1 / n), the weight it entered the averages with, s̄ += v d,
+        mean(s²) += v ((s + d)² - s²), mean(t s) += v t d, exactly as if it had been added at s + d (before
+        the next `add` only)."""
         t, s = self.last
         v = max(self.weight, 1 / self.n)
         self.s += v * seconds
@@ -248,9 +251,9 @@ class DraftGate:
     serve_load run, against 0.7 s at R = 1-4). Else the model decides, its rounds priced with the measured cost of a
     plain round beyond the profiled forward pass (`overhead_s`). While drafting, a plain round is timed
     every other drafted round until there are `min_rounds` of them, then every `max_interval`-th (every
-    other round for max_interval <= 2); only a plain round after a plain one is timed as plain (`timed`:
-    the one after a drafted round is slower, a switching cost charged to that drafted round), so there the
-    gate takes two plain rounds in a row.
+    other round for max_interval <= 2, before the pairs below); only a plain round after a plain one is
+    timed as plain (`timed`: the one after a drafted round is slower, a switching cost charged to that
+    drafted round), so there the gate takes two plain rounds in a row.
 
     The requests: how many drafts a round gets accepted depends on the requests more than on the
     server, so when the decoder says which requests the round is for (`own`: each one's drafted rounds
@@ -513,18 +516,20 @@ class DraftGate:
         A plain round right after a drafted one (`after_drafted`) is counted there too but not timed as plain:
         the target's forward after the drafter's round runs slower (in one process +4% / +12% / +12% at R = 1 /
         4 / 16), a cost of switching back that steady drafting never pays and steady plain decoding neither.
-        What it took beyond the plain rounds timed at R is charged to that drafted round (`RoundTimes.charge`):
-        a probe costs its round and the switch back. Its R's count of drafted rounds since a timed plain round
-        stays, so while drafting pays the next round is plain again, and timed."""
+        What it took beyond the plain rounds timed at R is charged to that drafted round (`RoundTimes.charge`,
+        at the drafted round's R): a probe costs its round and the switch back, and so do the gate's own
+        timing pairs while drafting, one in `max_interval` drafted rounds. Its R's count of drafted rounds
+        since a timed plain round stays, so while drafting pays the next round is plain again, and timed."""
         if seconds <= 0:
             return
         n, t, s, c = self.totals.get((R, drafted), (0, 0, 0.0, 0.0))
         self.totals[(R, drafted)] = (n + 1, t + tokens, s + seconds, c + catch_up_s)
-        if after_drafted and not drafted:  # the switch back: the drafted round's
-            plain, R = self.enough(R, False), self.last_drafted
-            if plain is None or R is None:
+        if after_drafted and not drafted:  # the switch back, charged once to the drafted round before it
+            plain, drafted_R, self.last_drafted = self.enough(R, False), self.last_drafted, None
+            if plain is None or drafted_R is None:
                 return
-            self.rounds_timed[(R, True)].charge(seconds - plain.s)
+            self.rounds_timed[(drafted_R, True)].charge(seconds - plain.s)
+            R = drafted_R  # its verdict below
         else:
             charged = seconds + self.prompt_s_per_token() * tokens if drafted else seconds
             self.rounds_timed.setdefault((R, drafted), RoundTimes(1 / self.window)).add(tokens, charged)
