@@ -32,14 +32,17 @@ draft gate measured (tokens/s of its drafted and of its plain rounds at each num
 the whole run, drafted rounds charged the prompt reading per token it prints), printed as [gate] lines,
 and what every round of each kind took ([gate run] lines: a
 drafted round's tokens/s with the drafter's catch-up over earlier plain rounds' and new prompts'
-positions, which the gate's timing leaves out, and that catch-up's share of its time). After each point an
+positions, which the gate's timing leaves out, and that catch-up's share of its time; both kinds of line in
+seconds of the gate's clock, the engine thread's CPU time in a replica running torch on the CPU with one
+thread). After each point an
 indented line splits the point's wall time by what the engine thread did meanwhile (`Engine.busy_s`:
 admitting requests, their prefill included; rounds; turning tokens into text), the rest being its idle time,
 and gives the mean time of the point's plain rounds (no drafting) at min(C, batch) requests and how many
 (`Engine.plain_rounds`). Where the adaptive mode seldom drafts, its plain rounds are about the work of
 target-only's, so its against target-only's (a line under each ratio) shows how much of the ratio is the
-replicas' own speed; where it mostly drafts, its few plain rounds are the gate's timing rounds, right after
-drafted ones, and need not cost what target-only's do (at T=0 and 4 users, 6.5-6.8 ms against 4.6).
+replicas' own speed; where it mostly drafts, its few plain rounds are the gate's timing pairs, the first of
+each right after a drafted one, and need not cost what target-only's do (at T=0 and 4 users, 5.6-5.9 ms
+against 4.9-5.0, wall time).
 """
 
 from __future__ import annotations
