@@ -177,14 +177,16 @@ def engine_stats(url: str) -> dict | None:
     return state if isinstance(state, dict) and "busy_s" in state else None
 
 
-def plain_rounds(before: dict | None, after: dict | None, R: int) -> tuple[int, float | None]:
-    """How many of a point's rounds at R requests did not draft, and their mean ms (None: no such round, or
-    not our server)."""
+def plain_rounds(before: dict | None, after: dict | None, R: int) -> tuple[int, float | None, float | None]:
+    """How many of a point's rounds at R requests did not draft, their mean ms, and their mean ms of the engine
+    thread's CPU time (None: no such round, or not our server)."""
     if not before or not after:
-        return 0, None
-    n0, s0 = before.get("plain_rounds", {}).get(str(R), (0, 0.0))
-    n1, s1 = after.get("plain_rounds", {}).get(str(R), (0, 0.0))
-    return n1 - n0, (1000 * (s1 - s0) / (n1 - n0) if n1 > n0 else None)
+        return 0, None, None
+    n0, s0, c0 = before.get("plain_rounds", {}).get(str(R), (0, 0.0, 0.0))
+    n1, s1, c1 = after.get("plain_rounds", {}).get(str(R), (0, 0.0, 0.0))
+    if n1 == n0:
+        return 0, None, None
+    return n1 - n0, 1000 * (s1 - s0) / (n1 - n0), 1000 * (c1 - c0) / (n1 - n0)
 
 
 def save_costs(url: str, path: Path) -> None:
@@ -330,8 +332,10 @@ def main(argv=None):
         r = asyncio.run(load(urls[mode], prompts, c, args.seconds, per_user, sampling))
         after = engine_stats(urls[mode])
         for phase in BUSY:  # where the engine thread's time went during the point (None: not our engine)
-            r[f"{phase}_s"] = after["busy_s"][phase] - before["busy_s"][phase] if before and after else None
-        r["plain_rounds"], r["plain_round_ms"] = plain_rounds(before, after, min(c, max_batch))
+            for clock in ("busy_s", "busy_cpu_s"):  # wall, and the thread's CPU time
+                key = f"{phase}_cpu_s" if clock == "busy_cpu_s" else f"{phase}_s"
+                r[key] = after[clock][phase] - before[clock][phase] if before and after else None
+        r["plain_rounds"], r["plain_round_ms"], r["plain_round_cpu_ms"] = plain_rounds(before, after, min(c, max_batch))
         results[mode][c].append(r)
         print(
             f"[{rep + 1}/{args.repeats}] {mode:30s} C={c:3d}: {r['tok_s']:7.1f} tok/s total, "
@@ -343,10 +347,10 @@ def main(argv=None):
         if r["rounds_s"] is not None:
             print(
                 f"    engine over the point's {r['wall_s']:.1f} s: "
-                + ", ".join(f"{phase} {r[f'{phase}_s']:.1f} s" for phase in BUSY)
+                + ", ".join(f"{phase} {r[f'{phase}_s']:.1f} s ({r[f'{phase}_cpu_s']:.1f} CPU)" for phase in BUSY)
                 + f", the rest {r['wall_s'] - sum(r[f'{phase}_s'] for phase in BUSY):.1f} s; "
                 + f"{r['plain_rounds']} plain rounds of {min(c, max_batch)} requests, "
-                + f"{fmt(r['plain_round_ms'], '.2f')} ms each",
+                + f"{fmt(r['plain_round_ms'], '.2f')} ms each ({fmt(r['plain_round_cpu_ms'], '.2f')} CPU)",
                 flush=True,
             )
 
@@ -422,7 +426,9 @@ def main(argv=None):
             print(  # where adaptive seldom drafts, about the same work in both replicas: how fast each ran
                 f"    adaptive's plain rounds took {ours['plain_round_ms'] / theirs['plain_round_ms']:.3f}x "
                 f"target-only's ({ours['plain_round_ms']:.2f} ms over {ours['plain_rounds']:.0f} rounds a point / "
-                f"{theirs['plain_round_ms']:.2f} over {theirs['plain_rounds']:.0f})"
+                f"{theirs['plain_round_ms']:.2f} over {theirs['plain_rounds']:.0f}), "
+                f"{ours['plain_round_cpu_ms'] / theirs['plain_round_cpu_ms']:.3f}x on the engine thread's CPU time "
+                f"({ours['plain_round_cpu_ms']:.2f} / {theirs['plain_round_cpu_ms']:.2f} ms)"
             )
     if vllm and "adaptive" in med:
         for c in conc:

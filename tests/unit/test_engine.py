@@ -65,15 +65,19 @@ def test_concurrent_requests_get_exact_greedy_outputs(tgt, drafter, policy):
     try:
         streams = [eng.submit(ids_of(tgt, p), SamplingParams(0.0), 16, 0) for p in prompts]  # 7 requests, 3 slots
         outs = [collect(s) for s in streams]
-        busy = eng.state()["busy_s"]  # the engine thread's time by phase: parts of its life, each one used
+        state = eng.state()
+        busy = state["busy_s"]  # the engine thread's time by phase: parts of its life, each one used
         assert min(busy.values()) > 0 and sum(busy.values()) < time.perf_counter() - started
+        cpu = state["busy_cpu_s"]  # its own CPU time in each, read inside the phase's wall interval
+        assert all(0 < cpu[k] <= busy[k] for k in busy)
         # the rounds that did not draft, by their number of requests: all of them without a drafting policy,
         # none with one that drafts every round
         undrafted = eng.state()["plain_rounds"]
-        seconds = sum(s for _, s in undrafted.values())
+        seconds = sum(s for _, s, _ in undrafted.values())
+        assert all(0 < c <= s for _, s, c in undrafted.values())
         assert set(undrafted) <= {"1", "2", "3"} and seconds <= busy["rounds"] * (1 + 1e-9)
         if policy == "none":
-            assert seconds == pytest.approx(busy["rounds"]) and sum(n for n, _ in undrafted.values()) > 0
+            assert seconds == pytest.approx(busy["rounds"]) and sum(n for n, _, _ in undrafted.values()) > 0
         if policy == "static":
             assert undrafted == {}
     finally:

@@ -37,12 +37,13 @@ def test_a_drafted_rounds_speed_counts_its_catch_up():
 
 
 def test_a_points_plain_rounds_are_the_difference_of_the_engines_counters():
-    before = {"busy_s": {}, "plain_rounds": {"16": [10, 0.08], "4": [3, 0.01]}}
-    after = {"busy_s": {}, "plain_rounds": {"16": [30, 0.24], "4": [3, 0.01], "15": [2, 0.02]}}
-    assert plain_rounds(before, after, 16) == (20, pytest.approx(8.0))  # 20 rounds in 0.16 s
-    assert plain_rounds(before, after, 4) == (0, None)  # none in this point
-    assert plain_rounds(before, after, 15) == (2, pytest.approx(10.0))  # none before it
-    assert plain_rounds(None, after, 16) == (0, None)  # not our server
+    before = {"busy_s": {}, "plain_rounds": {"16": [10, 0.08, 0.07], "4": [3, 0.01, 0.01]}}
+    after = {"busy_s": {}, "plain_rounds": {"16": [30, 0.24, 0.19], "4": [3, 0.01, 0.01], "15": [2, 0.02, 0.01]}}
+    # 20 rounds in 0.16 s, 0.12 s of it the engine thread's CPU time
+    assert plain_rounds(before, after, 16) == (20, pytest.approx(8.0), pytest.approx(6.0))
+    assert plain_rounds(before, after, 4) == (0, None, None)  # none in this point
+    assert plain_rounds(before, after, 15) == (2, pytest.approx(10.0), pytest.approx(5.0))  # none before it
+    assert plain_rounds(None, after, 16) == (0, None, None)  # not our server
     rows = [
         {"tok_s": 1.0, "plain_round_ms": None},
         {"tok_s": 3.0, "plain_round_ms": 8.0},

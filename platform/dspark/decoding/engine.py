@@ -144,11 +144,14 @@ class Engine:
         self.wake = threading.Event()
         self.ids = itertools.count()
         # seconds the engine thread spent admitting requests (their prefill and first token), in rounds, and
-        # turning rounds' tokens into text events, since it started (state(): where a server's time goes)
+        # turning rounds' tokens into text events, since it started (state(): where a server's time goes), on
+        # the wall clock and in the thread's own CPU time (`busy_cpu_s`; the difference is time it waited for
+        # the GIL or a core, or in torch's other threads where it has several)
         self.busy_s = {"prefill": 0.0, "rounds": 0.0, "emit": 0.0}
-        # R -> (rounds, seconds) of the rounds that did not draft: in a replica that seldom drafts, about the
-        # work of a target-only one's rounds at R (a bench compares replicas with them)
-        self.plain_rounds: dict[int, tuple[int, float]] = {}
+        self.busy_cpu_s = dict(self.busy_s)
+        # R -> (rounds, seconds, CPU seconds) of the rounds that did not draft: in a replica that seldom
+        # drafts, about the work of a target-only one's rounds at R (a bench compares replicas with them)
+        self.plain_rounds: dict[int, tuple[int, float, float]] = {}
         self.running = True
         self.threads = threads  # torch intra-op threads of the engine thread (0 = torch's setting)
         self.torch_threads = 0  # what the engine thread runs with, once started
@@ -234,6 +237,9 @@ class Engine:
             "torch_threads": self.torch_threads,
             "calibration": self.decoder.calibration.to_dict() if self.decoder.calibration else None,
             "draft_gate": self.decoder.gate.state() if self.decoder.gate is not None else None,
+            # CPU time copied first: the engine thread adds a phase's wall time before its CPU time, so a
+            # phase's CPU time in this copy never exceeds its wall time in it
+            "busy_cpu_s": dict(self.busy_cpu_s),
             "busy_s": dict(self.busy_s),
             "plain_rounds": {str(R): list(v) for R, v in sorted(dict(self.plain_rounds).items())},  # a copy
         }
@@ -259,11 +265,14 @@ class Engine:
             ready.set_exception(e)
             return
         ready.set_result(None)
-        busy = self.busy_s
+        busy, cpu = self.busy_s, self.busy_cpu_s
         while self.running:
-            t0 = time.perf_counter()
+            # each phase's CPU time is read inside its wall interval (it cannot exceed it), and added after it
+            t0, c0 = time.perf_counter(), time.thread_time()
             self._admit()
+            c = time.thread_time() - c0
             busy["prefill"] += time.perf_counter() - t0
+            cpu["prefill"] += c
             dec = self.decoder
             for s in [self.streams[id(r)] for r in dec.active if self.streams[id(r)].finish_reason == "cancelled"]:
                 dec.cancel(s.req)
@@ -273,7 +282,7 @@ class Engine:
                 self.wake.clear()
                 continue
             batch = list(dec.active)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 dec.step()
             except Exception as e:  # a broken round must not take the server down: fail its requests
@@ -281,15 +290,20 @@ class Engine:
                     dec.cancel(r)
                     self.streams.pop(id(r)).fail(f"round failed: {type(e).__name__}: {e}", 500)
                 continue
+            c = time.thread_time() - c0
             t1 = time.perf_counter()
+            c1 = time.thread_time()
             busy["rounds"] += t1 - t0
+            cpu["rounds"] += c
             if not (batch[0].rounds and batch[0].rounds[-1].drafted):  # a round drafts for all its requests or none
-                n, s = self.plain_rounds.get(len(batch), (0, 0.0))
-                self.plain_rounds[len(batch)] = (n + 1, s + (t1 - t0))  # one store: state() reads it whole
+                n, wall, cpu_s = self.plain_rounds.get(len(batch), (0, 0.0, 0.0))
+                self.plain_rounds[len(batch)] = (n + 1, wall + t1 - t0, cpu_s + c)  # one store: state() reads it whole
             self._observe(batch, t1 - t0)
             for r in batch:
                 self._emit_or_fail(self.streams[id(r)])
+            c = time.thread_time() - c1
             busy["emit"] += time.perf_counter() - t1
+            cpu["emit"] += c
 
     def _admit(self) -> None:
         """Prefill every waiting request that finds a free slot, before the next round. Prompts go in one
