@@ -26,19 +26,24 @@ tokens each point produced: equal in float32; in bfloat16 a verification forward
 round a near-tie the other way), and tokens/s compares speed.
 --repeats N measures every point N times; at each load the modes run one after another, in an order
 rotated each repeat (so a slow spell of the machine does not fall on one mode); tables give medians,
-and the adaptive/best-fixed ratio is taken within each repeat. Writes results.json, a table and a
+and the adaptive/best-fixed ratio is taken within each repeat. --fresh deploys every mode anew before each
+repeat after the first (new replica processes, each adaptive one with a gate that starts from nothing): two
+processes of the same code can run its rounds at speeds a few percent apart for their whole life, and
+without it one draw sets every repeat of a run. Writes results.json (after each repeat), a table and a
 throughput vs per-user speed PNG (the paper's Fig. 7 axes), and gates.json: what each adaptive mode's
 draft gate measured (tokens/s of its drafted and of its plain rounds at each number of requests, over
-the whole run, drafted rounds charged the prompt reading per token it prints), printed as [gate] lines,
-and what every round of each kind took ([gate run] lines: a
-drafted round's tokens/s with the drafter's catch-up over earlier plain rounds' and new prompts'
+the whole run, or with --fresh over each replica's life, a list per mode; drafted rounds charged the
+prompt reading per token it prints), printed as [gate] lines, and what every round of each kind took
+([gate run] lines: a drafted round's tokens/s with the drafter's catch-up over earlier plain rounds' and new prompts'
 positions, which the gate's timing leaves out, and that catch-up's share of its time; both kinds of line in
 seconds of the gate's clock, the engine thread's CPU time in a replica running torch on the CPU with one
 thread). After each point an
 indented line splits the point's wall time by what the engine thread did meanwhile (`Engine.busy_s`:
 admitting requests, their prefill included; rounds; turning tokens into text), the rest being its idle time,
 and gives the mean time of the point's plain rounds (no drafting) at min(C, batch) requests and how many
-(`Engine.plain_rounds`). Where the adaptive mode seldom drafts, its plain rounds are about the work of
+(`Engine.plain_rounds`), each beside the engine thread's own CPU time in it (`Engine.busy_cpu_s`: what it
+leaves out of the wall time is waiting for the GIL or a core, or torch's other threads where it has several).
+Where the adaptive mode seldom drafts, its plain rounds are about the work of
 target-only's, so its against target-only's (a line under each ratio) shows how much of the ratio is the
 replicas' own speed; where it mostly drafts, its few plain rounds are the gate's timing pairs, the first of
 each right after a drafted one, and need not cost what target-only's do (at T=0 and 4 users, 5.6-5.9 ms
@@ -184,7 +189,7 @@ def plain_rounds(before: dict | None, after: dict | None, R: int) -> tuple[int, 
         return 0, None, None
     n0, s0, c0 = before.get("plain_rounds", {}).get(str(R), (0, 0.0, 0.0))
     n1, s1, c1 = after.get("plain_rounds", {}).get(str(R), (0, 0.0, 0.0))
-    if n1 == n0:
+    if n1 <= n0:  # none (or a replica restarted within the point)
         return 0, None, None
     return n1 - n0, 1000 * (s1 - s0) / (n1 - n0), 1000 * (c1 - c0) / (n1 - n0)
 
@@ -309,10 +314,13 @@ def main(argv=None):
     urls: dict = {}
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
 
-    def deploy() -> None:
+    def app_name(mode: str) -> str:
+        return f"mode{list(modes).index(mode)}"
+
+    def deploy(profile: bool) -> None:
         """Every mode's application, one after another (each replica's start is quiet), then a short warm-up
-        load on each; the first deployment profiles the cost table unless one was given or saved."""
-        profiled = bool(args.sps_table) or table.exists()
+        load on each; with `profile`, the first one's replica profiles the cost table, the others load it."""
+        profiled = not profile
         for mode in sorted(modes, key=lambda m: m != first):
             ov = [
                 f"serve.drafter_uri={args.drafter}",
@@ -333,9 +341,6 @@ def main(argv=None):
         for mode in modes:  # warm-up
             asyncio.run(load(urls[mode], prompts, 1, 5, 2, {**sampling, "max_tokens": 16}))
 
-    def app_name(mode: str) -> str:
-        return f"mode{list(modes).index(mode)}"
-
     def gate_states() -> dict:
         """What each mode's draft gate measured so far (None: a mode without one)."""
         gates = {}
@@ -346,9 +351,7 @@ def main(argv=None):
                 gates[m] = {"error": str(e)}
         return gates
 
-    if not args.sps_table:
-        table.unlink(missing_ok=True)  # profiled anew by this run's first deployment
-    deploy()
+    deploy(profile=not args.sps_table)
     print_costs(table)
     vllm = VLLM_MODE if args.vllm else None
     results: dict = {m: {c: [] for c in conc} for m in [*modes, *([vllm] if vllm else [])]}
@@ -359,9 +362,8 @@ def main(argv=None):
         r = asyncio.run(load(urls[mode], prompts, c, args.seconds, per_user, sampling))
         after = engine_stats(urls[mode])
         for phase in BUSY:  # where the engine thread's time went during the point (None: not our engine)
-            for clock in ("busy_s", "busy_cpu_s"):  # wall, and the thread's CPU time
-                key = f"{phase}_cpu_s" if clock == "busy_cpu_s" else f"{phase}_s"
-                r[key] = after[clock][phase] - before[clock][phase] if before and after else None
+            for clock, suffix in (("busy_s", "_s"), ("busy_cpu_s", "_cpu_s")):  # wall, and the thread's CPU time
+                r[phase + suffix] = after[clock][phase] - before[clock][phase] if before and after else None
         r["plain_rounds"], r["plain_round_ms"], r["plain_round_cpu_ms"] = plain_rounds(before, after, min(c, max_batch))
         results[mode][c].append(r)
         print(
@@ -381,13 +383,13 @@ def main(argv=None):
                 flush=True,
             )
 
-    lives = []  # with --fresh, each repeat's draft gates, before its replicas were replaced
+    gates_by_deploy = []  # with --fresh, each repeat's draft gates, before its replicas were replaced
     for rep in range(args.repeats):
         if args.fresh and rep:  # new replica processes (a fresh gate each): one process's speed sets one repeat
-            lives.append(gate_states())
+            gates_by_deploy.append(gate_states())
             for mode in modes:
                 serve.delete(app_name(mode))
-            deploy()
+            deploy(profile=False)
         # the modes one after another at each load (so that they see the same spell of the machine), in an
         # order rotated each repeat; vLLM (its own server, started for this) after them, at every load
         order = list(modes)[rep % len(modes) :] + list(modes)[: rep % len(modes)]
@@ -402,12 +404,12 @@ def main(argv=None):
                     measure(rep, vllm, c)
             finally:
                 stop_vllm(proc)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")  # the repeats so far
     # what each adaptive mode's draft gate measured over the run (each replica's life with --fresh): tokens/s
     # of drafted and plain rounds per R
-    lives.append(gate_states())
+    gates_by_deploy.append(gate_states())
     serve.shutdown()
-    for life, gates in enumerate(lives):
+    for life, gates in enumerate(gates_by_deploy):
         for mode, gate in gates.items():
             name = f"{mode}, replica {life + 1}" if args.fresh else mode
             if (gate or {}).get("prompt_s_per_token") is not None:
@@ -421,7 +423,7 @@ def main(argv=None):
             for R, kinds in (gate or {}).get("run", {}).items():
                 print(f"[gate run] {name}, R={R}: " + ", ".join(run_line(k, v) for k, v in kinds.items()))
     # {mode: its gate's state}; with --fresh {mode: [its gate's state in each repeat's replica]}
-    gates = {m: [g[m] for g in lives] for m in modes} if args.fresh else lives[0]
+    gates = {m: [g[m] for g in gates_by_deploy] for m in modes} if args.fresh else gates_by_deploy[0]
     (out / "gates.json").write_text(json.dumps(gates, indent=1) + "\n")
     med = {m: {c: median_row(rs) for c, rs in rows.items()} for m, rows in results.items()}
     print(

@@ -68,13 +68,15 @@ def test_concurrent_requests_get_exact_greedy_outputs(tgt, drafter, policy):
         state = eng.state()
         busy = state["busy_s"]  # the engine thread's time by phase: parts of its life, each one used
         assert min(busy.values()) > 0 and sum(busy.values()) < time.perf_counter() - started
-        cpu = state["busy_cpu_s"]  # its own CPU time in each, read inside the phase's wall interval
-        assert all(0 < cpu[k] <= busy[k] for k in busy)
+        # its own CPU time in each, read inside the phase's wall interval (two clocks: their rates may differ
+        # by up to 500 ppm, NTP's slew)
+        cpu = state["busy_cpu_s"]
+        assert all(0 < cpu[k] <= busy[k] * 1.001 for k in busy)
         # the rounds that did not draft, by their number of requests: all of them without a drafting policy,
         # none with one that drafts every round
-        undrafted = eng.state()["plain_rounds"]
+        undrafted = state["plain_rounds"]
         seconds = sum(s for _, s, _ in undrafted.values())
-        assert all(0 < c <= s for _, s, c in undrafted.values())
+        assert all(0 < c <= s * 1.001 for _, s, c in undrafted.values())
         assert set(undrafted) <= {"1", "2", "3"} and seconds <= busy["rounds"] * (1 + 1e-9)
         if policy == "none":
             assert seconds == pytest.approx(busy["rounds"]) and sum(n for n, _, _ in undrafted.values()) > 0

@@ -145,8 +145,8 @@ class Engine:
         self.ids = itertools.count()
         # seconds the engine thread spent admitting requests (their prefill and first token), in rounds, and
         # turning rounds' tokens into text events, since it started (state(): where a server's time goes), on
-        # the wall clock and in the thread's own CPU time (`busy_cpu_s`; the difference is time it waited for
-        # the GIL or a core, or in torch's other threads where it has several)
+        # the wall clock and in the thread's own CPU time (`busy_cpu_s`; what it leaves out is time spent
+        # waiting for the GIL or a core, or in torch's other threads where it has several)
         self.busy_s = {"prefill": 0.0, "rounds": 0.0, "emit": 0.0}
         self.busy_cpu_s = dict(self.busy_s)
         # R -> (rounds, seconds, CPU seconds) of the rounds that did not draft: in a replica that seldom
@@ -237,11 +237,11 @@ class Engine:
             "torch_threads": self.torch_threads,
             "calibration": self.decoder.calibration.to_dict() if self.decoder.calibration else None,
             "draft_gate": self.decoder.gate.state() if self.decoder.gate is not None else None,
-            # CPU time copied first: the engine thread adds a phase's wall time before its CPU time, so a
-            # phase's CPU time in this copy never exceeds its wall time in it
+            # copied in the reverse of the order the engine thread adds to them (a round's wall time, its CPU
+            # time, then its entry in plain_rounds), so that what one copy holds the ones after it hold too
+            "plain_rounds": {str(R): list(v) for R, v in sorted(dict(self.plain_rounds).items())},
             "busy_cpu_s": dict(self.busy_cpu_s),
             "busy_s": dict(self.busy_s),
-            "plain_rounds": {str(R): list(v) for R, v in sorted(dict(self.plain_rounds).items())},  # a copy
         }
 
     def close(self) -> None:
@@ -265,14 +265,10 @@ class Engine:
             ready.set_exception(e)
             return
         ready.set_result(None)
-        busy, cpu = self.busy_s, self.busy_cpu_s
         while self.running:
-            # each phase's CPU time is read inside its wall interval (it cannot exceed it), and added after it
             t0, c0 = time.perf_counter(), time.thread_time()
             self._admit()
-            c = time.thread_time() - c0
-            busy["prefill"] += time.perf_counter() - t0
-            cpu["prefill"] += c
+            self._spent("prefill", t0, c0)
             dec = self.decoder
             for s in [self.streams[id(r)] for r in dec.active if self.streams[id(r)].finish_reason == "cancelled"]:
                 dec.cancel(s.req)
@@ -290,20 +286,25 @@ class Engine:
                     dec.cancel(r)
                     self.streams.pop(id(r)).fail(f"round failed: {type(e).__name__}: {e}", 500)
                 continue
-            c = time.thread_time() - c0
-            t1 = time.perf_counter()
-            c1 = time.thread_time()
-            busy["rounds"] += t1 - t0
-            cpu["rounds"] += c
+            wall, cpu = self._spent("rounds", t0, c0)
             if not (batch[0].rounds and batch[0].rounds[-1].drafted):  # a round drafts for all its requests or none
-                n, wall, cpu_s = self.plain_rounds.get(len(batch), (0, 0.0, 0.0))
-                self.plain_rounds[len(batch)] = (n + 1, wall + t1 - t0, cpu_s + c)  # one store: state() reads it whole
-            self._observe(batch, t1 - t0)
+                n, s, c = self.plain_rounds.get(len(batch), (0, 0.0, 0.0))
+                self.plain_rounds[len(batch)] = (n + 1, s + wall, c + cpu)  # one store: state() reads it whole
+            t0, c0 = time.perf_counter(), time.thread_time()
+            self._observe(batch, wall)
             for r in batch:
                 self._emit_or_fail(self.streams[id(r)])
-            c = time.thread_time() - c1
-            busy["emit"] += time.perf_counter() - t1
-            cpu["emit"] += c
+            self._spent("emit", t0, c0)
+
+    def _spent(self, phase: str, t0: float, c0: float) -> tuple[float, float]:
+        """The engine thread spent the time since perf_counter t0 and thread_time c0 (read after t0) in `phase`:
+        added to busy_s, then its CPU time to busy_cpu_s, the CPU clock read before the wall clock, so that it
+        falls inside the wall interval. Returns both (wall, CPU)."""
+        cpu = time.thread_time() - c0
+        wall = time.perf_counter() - t0
+        self.busy_s[phase] += wall
+        self.busy_cpu_s[phase] += cpu
+        return wall, cpu
 
     def _admit(self) -> None:
         """Prefill every waiting request that finds a free slot, before the next round. Prompts go in one
