@@ -287,7 +287,7 @@ class Engine:
                     self.streams.pop(id(r)).fail(f"round failed: {type(e).__name__}: {e}", 500)
                 continue
             wall, cpu = self._spent("rounds", t0, c0)
-            if not (batch[0].rounds and batch[0].rounds[-1].drafted):  # a round drafts for all its requests or none
+            if not dec.drafted_last:
                 n, s, c = self.plain_rounds.get(len(batch), (0, 0.0, 0.0))
                 self.plain_rounds[len(batch)] = (n + 1, s + wall, c + cpu)  # one store: state() reads it whole
             t0, c0 = time.perf_counter(), time.thread_time()

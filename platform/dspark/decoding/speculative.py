@@ -140,7 +140,8 @@ class SpeculativeDecoder:
         self.drafter_failures, self.backoff_left = 0, 0  # consecutive drafter errors; rounds left to skip
         self.last_survival: Optional[torch.Tensor] = None  # (R, gamma) of the latest round, for observers
         self.gate = gate  # None: draft every round
-        self.drafted_last = False  # the latest round drafted (the gate does not time a plain round after one)
+        # the latest round drafted (the gate does not time a plain round after one; the engine counts plain rounds)
+        self.drafted_last = False
         # the gate's clock: where a round's work runs on this thread alone (torch on the CPU, one thread), the
         # CPU time it spent, which leaves out other threads' turns (a server's event loop holding the GIL while
         # requests end and start) and other processes': fixed costs that would weigh more on short rounds
@@ -347,7 +348,7 @@ class SpeculativeDecoder:
         if self.gate is not None and self.gamma:
             seconds = self.clock() - start - probe_s
             self.gate.timed(len(reqs), prop is not None, sum(n_acc) + len(reqs), seconds, probe_s, self.drafted_last)
-            self.drafted_last = prop is not None
+        self.drafted_last = prop is not None
 
     def _verify(
         self,
