@@ -319,7 +319,10 @@ def main(argv=None):
 
     def deploy(profile: bool) -> None:
         """Every mode's application, one after another (each replica's start is quiet), then a short warm-up
-        load on each; with `profile`, the first one's replica profiles the cost table, the others load it."""
+        load on each: two requests like the measured ones (an engine replica warms its kernels up itself before
+        it serves; an adaptive one's draft gate takes its first measurements from these, and requests cut at 16
+        tokens end their drafted rounds early); with `profile`, the first one's replica profiles the cost table,
+        the others load it."""
         profiled = not profile
         for mode in sorted(modes, key=lambda m: m != first):
             ov = [
@@ -339,7 +342,7 @@ def main(argv=None):
                 save_costs(urls[mode], table)
                 profiled = True
         for mode in modes:  # warm-up
-            asyncio.run(load(urls[mode], prompts, 1, 5, 2, {**sampling, "max_tokens": 16}))
+            asyncio.run(load(urls[mode], prompts, 1, 5, 2, sampling))
 
     def gate_states() -> dict:
         """What each mode's draft gate measured so far (None: a mode without one)."""
@@ -399,7 +402,7 @@ def main(argv=None):
         if vllm:
             proc, urls[vllm] = start_vllm(cfg, Path(args.vllm_venv), max_batch, out / "vllm-server.log")
             try:
-                asyncio.run(load(urls[vllm], prompts, 1, 5, 2, {**sampling, "max_tokens": 16}))  # warm-up
+                asyncio.run(load(urls[vllm], prompts, 1, 5, 2, sampling))  # warm-up
                 for c in conc:
                     measure(rep, vllm, c)
             finally:

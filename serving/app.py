@@ -243,6 +243,7 @@ class SpeculativeEngine:
             max_batch=sc.max_batch,
             max_queue=sc.max_queue,
             prefill_tokens=sc.prefill_tokens,
+            warm_up_rounds=sc.warm_up_rounds,
             static_len=sc.static_len,
             threshold=sc.threshold,
             calibration=start,

@@ -270,6 +270,10 @@ class ServeConfig(Section):
     # chat prompt's prefill is compute-bound, and batching delays the first prompts' first token
     # (docs/serving.md, "Engine threads, streaming and prefill")
     prefill_tokens: int = Field(0, ge=0)
+    # before its first request, each engine replica decodes synthetic requests at every batch size up to
+    # max_batch, this many drafted and this many plain rounds each (0 = none): a fresh process's first rounds
+    # of each shape run slower, and the draft gate would measure them (docs/serving.md, "Warm-up")
+    warm_up_rounds: int = Field(2, ge=0)
     max_tokens_default: int = Field(128, ge=1)
     num_replicas: int = Field(1, ge=1)
     # CPUs Ray reserves for each engine replica, and the torch threads of its engine thread on CPU

@@ -189,6 +189,47 @@ def test_seed_pins_the_output_and_no_seed_varies_it(tgt, drafter):
         eng.close()
 
 
+@pytest.mark.parametrize("policy", ["async", "none"])
+def test_warm_up_runs_every_batch_size_and_leaves_nothing_behind(tgt, drafter, policy, monkeypatch):
+    """Before the first request the engine decodes synthetic requests at each batch size, drafted rounds then
+    plain ones (plain only where it never drafts), on its own thread; after it every slot is free, the gate has
+    measured nothing, the observer and the engine's clocks saw nothing, and a seeded request decodes exactly as
+    on an engine that did not warm up."""
+    rounds, real_step = [], SpeculativeDecoder.step
+
+    def step(self):
+        R = len(self.active)
+        real_step(self)
+        rounds.append((R, self.drafted_last, threading.get_ident()))
+
+    monkeypatch.setattr(SpeculativeDecoder, "step", step)
+    observed = []
+    warm = engine(tgt, drafter, policy=policy, max_batch=3, warm_up_rounds=2, observer=observed.extend)
+    try:
+        drafts = [True, True, False, False] if policy != "none" else [False, False]
+        assert rounds == [(R, d, warm.thread.ident) for R in (1, 2, 3) for d in drafts]
+        state = warm.state()
+        assert state["active"] == 0 and state["free_slots"] == 3
+        assert state["plain_rounds"] == {} and state["busy_s"]["rounds"] == state["busy_cpu_s"]["rounds"] == 0.0
+        gate = state["draft_gate"]
+        if policy == "none":
+            assert gate is None
+        else:
+            assert gate["speed"] == gate["run"] == {} and gate["alpha"] == [0.0] * 4 and observed == []
+        monkeypatch.setattr(SpeculativeDecoder, "step", real_step)
+        prompts = [ids_of(tgt, f"def h{i}(x):") for i in range(3)]
+        warmed = [drain(warm.submit(p, SamplingParams(1.0), 24, 5)) for p in prompts]
+    finally:
+        warm.close()
+    cold = engine(tgt, drafter, policy=policy, max_batch=3)
+    try:
+        assert [text_of(drain(cold.submit(p, SamplingParams(1.0), 24, 5))) for p in prompts] == list(
+            map(text_of, warmed)
+        )
+    finally:
+        cold.close()
+
+
 def test_wrong_length_calibration_is_refused_up_front(tgt, drafter):
     with pytest.raises(UserError, match="calibration has 2 positions but gamma=4"):
         Engine(

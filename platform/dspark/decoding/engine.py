@@ -89,6 +89,24 @@ class Stream:
         }
 
 
+class _Told:
+    """The warm-up's stand-in for the draft gate: drafts when told to (`draft`), measures nothing."""
+
+    draft = True
+
+    def __call__(self, R: int, behind: int = 0, own=None) -> bool:
+        return self.draft
+
+    def observe(self, *_) -> None:
+        pass
+
+    def finished(self, *_) -> None:
+        pass
+
+    def timed(self, *_) -> None:
+        pass
+
+
 class Engine:
     def __init__(
         self,
@@ -111,6 +129,7 @@ class Engine:
         stop_ids: tuple[int, ...] = (),
         threads: int = 0,
         prefill_tokens: int = 0,
+        warm_up_rounds: int = 0,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy: {policy!r} not in {POLICIES}")
@@ -123,12 +142,13 @@ class Engine:
         self.sps = sps or SPSTable.synthetic("smooth")
         self.policy_name = policy
         self.max_batch = max_batch
+        self.new_policy = functools.partial(make_policy, policy, self.sps, static_len, threshold)
         decoder = functools.partial(  # built on the engine thread (see _loop)
             SpeculativeDecoder,
             target_model,
             drafter if drafting else None,
             gamma,
-            make_policy(policy, self.sps, static_len, threshold),
+            self.new_policy(),
             max_slots=max_batch,
             calibration=calibration,
             # adaptive policies also decide whether to draft at all (static ones are the baselines)
@@ -153,6 +173,7 @@ class Engine:
         # drafts, about the work of a target-only one's rounds at R (a bench compares replicas with them)
         self.plain_rounds: dict[int, tuple[int, float, float]] = {}
         self.running = True
+        self.warm_up_rounds = warm_up_rounds  # per kind of round and batch size, before the first request
         self.threads = threads  # torch intra-op threads of the engine thread (0 = torch's setting)
         self.torch_threads = 0  # what the engine thread runs with, once started
         ready: Future = Future()
@@ -261,6 +282,7 @@ class Engine:
         self.torch_threads = torch.get_num_threads()
         try:
             self.decoder = decoder()
+            self._warm_up(self.warm_up_rounds)
         except BaseException as e:
             ready.set_exception(e)
             return
@@ -295,6 +317,37 @@ class Engine:
             for r in batch:
                 self._emit_or_fail(self.streams[id(r)])
             self._spent("emit", t0, c0)
+
+    def _warm_up(self, rounds: int) -> None:
+        """Before the first request: at every batch size R = 1..max_batch, `rounds` drafted rounds (where the
+        engine drafts) then `rounds` plain ones for R synthetic requests (16 random prompt tokens; greedy at odd
+        R, sampled at even R: the two ways a round ends), so that the first rounds of each shape in a fresh
+        process (the kernels' first calls and their caches, the allocator; on a GPU the libraries' lazy setup)
+        are neither the first requests' nor what the draft gate first measures (docs/serving.md, "Warm-up").
+        The gate stands aside, the policy is built anew after it (its history), and the metrics, the observer
+        and the engine's clocks see none of it."""
+        if not rounds:
+            return
+        dec, gen, told = self.decoder, torch.Generator().manual_seed(0), _Told()
+        gate, dec.gate = dec.gate, told
+        kinds = (True, False) if dec.gamma else (False,)
+        prompt = min(16, dec.max_len - 1)
+        new = min(len(kinds) * rounds * (dec.gamma + 1) + 1, dec.max_len - prompt)  # outlasts the rounds
+        for R in range(1, self.max_batch + 1):
+            sp = SamplingParams(0.0) if R % 2 else SamplingParams(1.0)
+            reqs = [
+                Request(torch.randint(self.vocab_size, (prompt,), generator=gen).tolist(), sp, new, r) for r in range(R)
+            ]
+            for r in reqs:  # one prompt per forward, as the engine admits by default
+                dec.add(r)
+            for draft in kinds:
+                told.draft = draft
+                for _ in range(rounds):
+                    if dec.active:
+                        dec.step()
+            for r in reqs:
+                dec.cancel(r)
+        dec.gate, dec.policy, dec.drafted_last = gate, self.new_policy(), False
 
     def _spent(self, phase: str, t0: float, c0: float) -> tuple[float, float]:
         """The engine thread spent the time since perf_counter t0 and thread_time c0 (read after t0) in `phase`:
