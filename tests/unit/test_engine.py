@@ -11,12 +11,14 @@ from tiny_models import untrained_drafter
 
 from dspark import target as targets
 from dspark.calibration.sts import Calibration
+from dspark.decoding import engine as engine_module
 from dspark.decoding.engine import Engine, Overloaded
 from dspark.decoding.events import Done, Error, Text
 from dspark.decoding.profile import envelope, profile
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.speculative import Request, SpeculativeDecoder
 from dspark.errors import UserError
+from dspark.scheduling.policies import make_policy
 from dspark.scheduling.sps import SPSTable
 
 
@@ -191,43 +193,48 @@ def test_seed_pins_the_output_and_no_seed_varies_it(tgt, drafter):
 
 @pytest.mark.parametrize("policy", ["async", "none"])
 def test_warm_up_runs_every_batch_size_and_leaves_nothing_behind(tgt, drafter, policy, monkeypatch):
-    """Before the first request the engine decodes synthetic requests at each batch size, drafted rounds then
-    plain ones (plain only where it never drafts), on its own thread; after it every slot is free, the gate has
-    measured nothing, the observer and the engine's clocks saw nothing, and a seeded request decodes exactly as
-    on an engine that did not warm up."""
+    """Before the first request the engine decodes synthetic requests at each batch size on its own thread:
+    rounds that draft and verify every draft, then plain ones (plain only where it never drafts). After it
+    every slot is free in a fresh engine's order, the gate has measured nothing, the policy is a new one, the
+    observer and the engine's clocks saw nothing, and requests decode as the target does."""
     rounds, real_step = [], SpeculativeDecoder.step
 
     def step(self):
         R = len(self.active)
         real_step(self)
-        rounds.append((R, self.drafted_last, threading.get_ident()))
+        verified = {r.rounds[-1].verified for r in self.active} if self.drafted_last else {0}
+        rounds.append((R, self.drafted_last, verified, threading.get_ident()))
 
+    policies = []
+
+    def new_policy(*args):
+        policies.append(make_policy(*args))
+        return policies[-1]
+
+    monkeypatch.setattr(engine_module, "make_policy", new_policy)
     monkeypatch.setattr(SpeculativeDecoder, "step", step)
     observed = []
     warm = engine(tgt, drafter, policy=policy, max_batch=3, warm_up_rounds=2, observer=observed.extend)
     try:
-        drafts = [True, True, False, False] if policy != "none" else [False, False]
-        assert rounds == [(R, d, warm.thread.ident) for R in (1, 2, 3) for d in drafts]
-        state = warm.state()
-        assert state["active"] == 0 and state["free_slots"] == 3
+        drafts = [(True, {4}), (True, {4}), (False, {0}), (False, {0})] if policy != "none" else [(False, {0})] * 2
+        assert rounds == [(R, d, v, warm.thread.ident) for R in (1, 2, 3) for d, v in drafts]
+        dec, state = warm.decoder, warm.state()
+        assert state["active"] == 0 and dec.runner.free_slots == [2, 1, 0] and dec.drafter_error is None
+        assert len(policies) == 2 and dec.policy is policies[1]  # built anew after the warm-up
         assert state["plain_rounds"] == {} and state["busy_s"]["rounds"] == state["busy_cpu_s"]["rounds"] == 0.0
-        gate = state["draft_gate"]
+        assert state["warm_up_s"] > 0 and observed == []
         if policy == "none":
-            assert gate is None
+            assert dec.gate is None
         else:
-            assert gate["speed"] == gate["run"] == {} and gate["alpha"] == [0.0] * 4 and observed == []
+            assert not dec.gate.seen and state["draft_gate"]["speed"] == state["draft_gate"]["run"] == {}
         monkeypatch.setattr(SpeculativeDecoder, "step", real_step)
         prompts = [ids_of(tgt, f"def h{i}(x):") for i in range(3)]
-        warmed = [drain(warm.submit(p, SamplingParams(1.0), 24, 5)) for p in prompts]
+        outs = [collect(s) for s in [warm.submit(p, SamplingParams(0.0), 16, 0) for p in prompts]]
     finally:
         warm.close()
-    cold = engine(tgt, drafter, policy=policy, max_batch=3)
-    try:
-        assert [text_of(drain(cold.submit(p, SamplingParams(1.0), 24, 5))) for p in prompts] == list(
-            map(text_of, warmed)
-        )
-    finally:
-        cold.close()
+    eos = (tgt.tokenizer.eos_token_id,)
+    plain = SpeculativeDecoder(tgt.model, None).run([Request(p, SamplingParams(0.0), 16, 0, eos) for p in prompts])
+    assert [text for text, _ in outs] == [tgt.tokenizer.decode(r.out, skip_special_tokens=True) for r in plain]
 
 
 def test_wrong_length_calibration_is_refused_up_front(tgt, drafter):

@@ -31,7 +31,7 @@ from dspark.calibration.sts import Calibration
 from dspark.decoding.detok import Detokenizer
 from dspark.decoding.events import MAX_LOGPROBS, Done, Error, Event, Text, position_counts
 from dspark.decoding.sampling import SamplingParams
-from dspark.decoding.speculative import Request, SpeculativeDecoder
+from dspark.decoding.speculative import Request, SpeculativeDecoder, full_length
 from dspark.errors import UserError
 from dspark.scheduling.policies import ADAPTIVE, POLICIES, DraftGate, make_policy
 from dspark.scheduling.sps import SPSTable
@@ -89,8 +89,8 @@ class Stream:
         }
 
 
-class _Told:
-    """The warm-up's stand-in for the draft gate: drafts when told to (`draft`), measures nothing."""
+class _ForcedGate:
+    """The warm-up's stand-in for the draft gate: drafts as `draft` says, measures nothing."""
 
     draft = True
 
@@ -142,13 +142,13 @@ class Engine:
         self.sps = sps or SPSTable.synthetic("smooth")
         self.policy_name = policy
         self.max_batch = max_batch
-        self.new_policy = functools.partial(make_policy, policy, self.sps, static_len, threshold)
+        self._new_policy = functools.partial(make_policy, policy, self.sps, static_len, threshold)
         decoder = functools.partial(  # built on the engine thread (see _loop)
             SpeculativeDecoder,
             target_model,
             drafter if drafting else None,
             gamma,
-            self.new_policy(),
+            self._new_policy(),
             max_slots=max_batch,
             calibration=calibration,
             # adaptive policies also decide whether to draft at all (static ones are the baselines)
@@ -174,6 +174,7 @@ class Engine:
         self.plain_rounds: dict[int, tuple[int, float, float]] = {}
         self.running = True
         self.warm_up_rounds = warm_up_rounds  # per kind of round and batch size, before the first request
+        self.warm_up_s = 0.0  # what it took
         self.threads = threads  # torch intra-op threads of the engine thread (0 = torch's setting)
         self.torch_threads = 0  # what the engine thread runs with, once started
         ready: Future = Future()
@@ -256,6 +257,7 @@ class Engine:
             "drafter": self.decoder.drafter is not None,
             "drafter_error": self.decoder.drafter_error,
             "torch_threads": self.torch_threads,
+            "warm_up_s": self.warm_up_s,
             "calibration": self.decoder.calibration.to_dict() if self.decoder.calibration else None,
             "draft_gate": self.decoder.gate.state() if self.decoder.gate is not None else None,
             # copied in the reverse of the order the engine thread adds to them (a round's wall time, its CPU
@@ -282,7 +284,10 @@ class Engine:
         self.torch_threads = torch.get_num_threads()
         try:
             self.decoder = decoder()
-            self._warm_up(self.warm_up_rounds)
+            try:
+                self._warm_up(self.warm_up_rounds)
+            except Exception as e:
+                raise RuntimeError(f"engine warm-up failed: {type(e).__name__}: {e}") from e
         except BaseException as e:
             ready.set_exception(e)
             return
@@ -319,35 +324,42 @@ class Engine:
             self._spent("emit", t0, c0)
 
     def _warm_up(self, rounds: int) -> None:
-        """Before the first request: at every batch size R = 1..max_batch, `rounds` drafted rounds (where the
-        engine drafts) then `rounds` plain ones for R synthetic requests (16 random prompt tokens; greedy at odd
-        R, sampled at even R: the two ways a round ends), so that the first rounds of each shape in a fresh
-        process (the kernels' first calls and their caches, the allocator; on a GPU the libraries' lazy setup)
-        are neither the first requests' nor what the draft gate first measures (docs/serving.md, "Warm-up").
-        The gate stands aside, the policy is built anew after it (its history), and the metrics, the observer
-        and the engine's clocks see none of it."""
+        """Before the first request: at R = 1..max_batch synthetic requests in turn (one joins per R, and one
+        that ended is replaced; 16 random prompt tokens each, greedy, sampled and seeded in turn: the three ways a
+        round samples), `rounds` rounds that draft and verify every draft (where the engine drafts), then `rounds`
+        plain ones, so that a fresh process's first rounds of each shape (the kernels' first calls and their
+        caches, the allocator; on a GPU the libraries' lazy setup) are neither the first requests' nor what the
+        draft gate first measures (docs/serving.md, "Warm-up at replica start"). The gate stands aside, the
+        policy is built anew after it (its history), the slots go back in a fresh engine's order, and the
+        metrics, the observer and the engine's clocks see none of it. A drafter that fails here fails the start."""
         if not rounds:
             return
-        dec, gen, told = self.decoder, torch.Generator().manual_seed(0), _Told()
-        gate, dec.gate = dec.gate, told
+        t0 = time.perf_counter()
+        dec, gen, forced = self.decoder, torch.Generator().manual_seed(0), _ForcedGate()
+        gate, dec.gate, dec.policy = dec.gate, forced, full_length
         kinds = (True, False) if dec.gamma else (False,)
         prompt = min(16, dec.max_len - 1)
-        new = min(len(kinds) * rounds * (dec.gamma + 1) + 1, dec.max_len - prompt)  # outlasts the rounds
+        new = min(
+            self.max_batch * len(kinds) * rounds * (dec.gamma + 1), dec.max_len - prompt
+        )  # all of it, room allowing
+        made = 0
         for R in range(1, self.max_batch + 1):
-            sp = SamplingParams(0.0) if R % 2 else SamplingParams(1.0)
-            reqs = [
-                Request(torch.randint(self.vocab_size, (prompt,), generator=gen).tolist(), sp, new, r) for r in range(R)
-            ]
-            for r in reqs:  # one prompt per forward, as the engine admits by default
-                dec.add(r)
             for draft in kinds:
-                told.draft = draft
+                forced.draft = draft
                 for _ in range(rounds):
-                    if dec.active:
-                        dec.step()
-            for r in reqs:
-                dec.cancel(r)
-        dec.gate, dec.policy, dec.drafted_last = gate, self.new_policy(), False
+                    while len(dec.active) < R:
+                        ids = torch.randint(self.vocab_size, (prompt,), generator=gen).tolist()
+                        sp = SamplingParams(0.0 if made % 3 == 0 else 1.0)
+                        dec.add(Request(ids, sp, new, made, reproducible=made % 3 == 2))
+                        made += 1
+                    dec.step()
+        for r in list(dec.active):
+            dec.cancel(r)
+        dec.runner.free_slots.sort(reverse=True)  # the lowest slot first, as in a fresh engine
+        dec.gate, dec.policy = gate, self._new_policy()
+        if dec.drafter_error is not None:
+            raise RuntimeError(f"the drafter failed on the warm-up's requests: {dec.drafter_error}")
+        self.warm_up_s = time.perf_counter() - t0
 
     def _spent(self, phase: str, t0: float, c0: float) -> tuple[float, float]:
         """The engine thread spent the time since perf_counter t0 and thread_time c0 (read after t0) in `phase`:
