@@ -272,7 +272,7 @@ class ServeConfig(Section):
     prefill_tokens: int = Field(0, ge=0)
     # before its first request, each engine replica decodes synthetic requests at every batch size up to
     # max_batch, this many drafted and this many plain rounds each (0 = none): a fresh process's first rounds
-    # of each shape run slower, and the draft gate would measure them (docs/serving.md, "Warm-up")
+    # of each shape run slower, and the draft gate would measure them (docs/serving.md, "Warm-up at replica start")
     warm_up_rounds: int = Field(2, ge=0)
     max_tokens_default: int = Field(128, ge=1)
     num_replicas: int = Field(1, ge=1)
