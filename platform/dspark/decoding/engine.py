@@ -339,9 +339,8 @@ class Engine:
         gate, dec.gate, dec.policy = dec.gate, forced, full_length
         kinds = (True, False) if dec.gamma else (False,)
         prompt = min(16, dec.max_len - 1)
-        new = min(
-            self.max_batch * len(kinds) * rounds * (dec.gamma + 1), dec.max_len - prompt
-        )  # all of it, room allowing
+        # every token the warm-up's rounds could commit, room allowing: a request outlasts it unless max_len cuts it
+        new = min(self.max_batch * len(kinds) * rounds * (dec.gamma + 1), dec.max_len - prompt)
         made = 0
         for R in range(1, self.max_batch + 1):
             for draft in kinds:
