@@ -254,11 +254,6 @@ class SpeculativeEngine:
             stop_ids=tgt.eos_token_ids,
             threads=sc.num_cpus,
         )
-        log.info(
-            "engine warmed up in %.1fs (%d rounds of each kind per batch size)",
-            self.engine.warm_up_s,
-            sc.warm_up_rounds,
-        )
         self.chat_template_kwargs = cfg.target.chat_template_kwargs
         self.sps, self.tokenizer, self.model_name = sps, tgt.tokenizer, sc.model_name
         self.stream_interval_s, self.stream_messages_per_s = sc.stream_interval_s, sc.stream_messages_per_s
