@@ -44,7 +44,9 @@ from serving.api import (
     usage_body,
 )
 
-log = logging.getLogger("dspark.serving")
+# Ray Serve configures the "ray.serve" logger in every replica (its level, its file under the session's
+# logs/serve/): records of any other logger never reach the replica's log
+log = logging.getLogger("ray.serve")
 api = FastAPI(title="dspark")
 
 

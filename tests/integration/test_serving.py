@@ -164,6 +164,19 @@ def test_auth_overload_and_disconnect_leave_the_server_healthy(server):
     assert r.status_code == 200
 
 
+def test_the_replica_log_holds_the_applications_records(server, services_dir):
+    """What the application logs (here the cost tables, at replica start) reaches the replica's log file
+    under the Ray session of the head it runs on."""
+    from dspark.services import RayHead
+
+    logs = Path(RayHead(services_dir).temp_dir()) / "session_latest" / "logs" / "serve"
+    wait_for(
+        lambda: any("cost tables ready in" in f.read_text(errors="replace") for f in logs.glob("replica_*.log")),
+        30,
+        f"'cost tables ready' in a replica log under {logs}",
+    )
+
+
 def test_calibration_actor_collects_live_outcomes(server):
     async def traffic():
         async with httpx.AsyncClient(timeout=120) as client:
