@@ -354,64 +354,68 @@ def main(argv=None):
                 gates[m] = {"error": str(e)}
         return gates
 
-    deploy(profile=not args.sps_table)
-    print_costs(table)
-    vllm = VLLM_MODE if args.vllm else None
-    results: dict = {m: {c: [] for c in conc} for m in [*modes, *([vllm] if vllm else [])]}
+    try:  # whatever fails, the applications go with this driver (Serve outlives it otherwise)
+        deploy(profile=not args.sps_table)
+        print_costs(table)
+        vllm = VLLM_MODE if args.vllm else None
+        results: dict = {m: {c: [] for c in conc} for m in [*modes, *([vllm] if vllm else [])]}
 
-    def measure(rep: int, mode: str, c: int) -> None:
-        per_user = max(args.requests, math.ceil(args.min_requests / c))
-        before = engine_stats(urls[mode])
-        r = asyncio.run(load(urls[mode], prompts, c, args.seconds, per_user, sampling))
-        after = engine_stats(urls[mode])
-        for phase in BUSY:  # where the engine thread's time went during the point (None: not our engine)
-            for clock, suffix in (("busy_s", "_s"), ("busy_cpu_s", "_cpu_s")):  # wall, and the thread's CPU time
-                r[phase + suffix] = after[clock][phase] - before[clock][phase] if before and after else None
-        r["plain_rounds"], r["plain_round_ms"], r["plain_round_cpu_ms"] = plain_rounds(before, after, min(c, max_batch))
-        results[mode][c].append(r)
-        print(
-            f"[{rep + 1}/{args.repeats}] {mode:30s} C={c:3d}: {r['tok_s']:7.1f} tok/s total, "
-            f"{r['per_user_tok_s']:6.1f} per user, p50 {r['p50']:.2f}s p99 {r['p99']:.2f}s, "
-            f"TTFT {r['ttft_p50']:.2f}s, budget {fmt(r['budget'], '.2f')}, "
-            f"drafting {fmt(r['drafting_share'], '.2f')} ({r['requests']} requests)",
-            flush=True,
-        )
-        if r["rounds_s"] is not None:
+        def measure(rep: int, mode: str, c: int) -> None:
+            per_user = max(args.requests, math.ceil(args.min_requests / c))
+            before = engine_stats(urls[mode])
+            r = asyncio.run(load(urls[mode], prompts, c, args.seconds, per_user, sampling))
+            after = engine_stats(urls[mode])
+            for phase in BUSY:  # where the engine thread's time went during the point (None: not our engine)
+                for clock, suffix in (("busy_s", "_s"), ("busy_cpu_s", "_cpu_s")):  # wall, and the thread's CPU time
+                    r[phase + suffix] = after[clock][phase] - before[clock][phase] if before and after else None
+            r["plain_rounds"], r["plain_round_ms"], r["plain_round_cpu_ms"] = plain_rounds(
+                before, after, min(c, max_batch)
+            )
+            results[mode][c].append(r)
             print(
-                f"    engine over the point's {r['wall_s']:.1f} s: "
-                + ", ".join(f"{phase} {r[f'{phase}_s']:.1f} s ({r[f'{phase}_cpu_s']:.1f} CPU)" for phase in BUSY)
-                + f", the rest {r['wall_s'] - sum(r[f'{phase}_s'] for phase in BUSY):.1f} s; "
-                + f"{r['plain_rounds']} plain rounds of {min(c, max_batch)} requests, "
-                + f"{fmt(r['plain_round_ms'], '.2f')} ms each ({fmt(r['plain_round_cpu_ms'], '.2f')} CPU)",
+                f"[{rep + 1}/{args.repeats}] {mode:30s} C={c:3d}: {r['tok_s']:7.1f} tok/s total, "
+                f"{r['per_user_tok_s']:6.1f} per user, p50 {r['p50']:.2f}s p99 {r['p99']:.2f}s, "
+                f"TTFT {r['ttft_p50']:.2f}s, budget {fmt(r['budget'], '.2f')}, "
+                f"drafting {fmt(r['drafting_share'], '.2f')} ({r['requests']} requests)",
                 flush=True,
             )
+            if r["rounds_s"] is not None:
+                print(
+                    f"    engine over the point's {r['wall_s']:.1f} s: "
+                    + ", ".join(f"{phase} {r[f'{phase}_s']:.1f} s ({r[f'{phase}_cpu_s']:.1f} CPU)" for phase in BUSY)
+                    + f", the rest {r['wall_s'] - sum(r[f'{phase}_s'] for phase in BUSY):.1f} s; "
+                    + f"{r['plain_rounds']} plain rounds of {min(c, max_batch)} requests, "
+                    + f"{fmt(r['plain_round_ms'], '.2f')} ms each ({fmt(r['plain_round_cpu_ms'], '.2f')} CPU)",
+                    flush=True,
+                )
 
-    gates_by_deploy = []  # with --fresh, each repeat's draft gates, before its replicas were replaced
-    for rep in range(args.repeats):
-        if args.fresh and rep:  # new replica processes (a fresh gate each): one process's speed sets one repeat
-            gates_by_deploy.append(gate_states())
-            for mode in modes:
-                serve.delete(app_name(mode))
-            deploy(profile=False)
-        # the modes one after another at each load (so that they see the same spell of the machine), in an
-        # order rotated each repeat; vLLM (its own server, started for this) after them, at every load
-        order = list(modes)[rep % len(modes) :] + list(modes)[: rep % len(modes)]
-        for c in conc:
-            for mode in order:
-                measure(rep, mode, c)
-        if vllm:
-            proc, urls[vllm] = start_vllm(cfg, Path(args.vllm_venv), max_batch, out / "vllm-server.log")
-            try:
-                asyncio.run(load(urls[vllm], prompts, 1, 5, 2, sampling))  # warm-up
-                for c in conc:
-                    measure(rep, vllm, c)
-            finally:
-                stop_vllm(proc)
-        (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")  # the repeats so far
-    # what each adaptive mode's draft gate measured over the run (each replica's life with --fresh): tokens/s
-    # of drafted and plain rounds per R
-    gates_by_deploy.append(gate_states())
-    serve.shutdown()
+        gates_by_deploy = []  # with --fresh, each repeat's draft gates, before its replicas were replaced
+        for rep in range(args.repeats):
+            if args.fresh and rep:  # new replica processes (a fresh gate each): one process's speed sets one repeat
+                gates_by_deploy.append(gate_states())
+                for mode in modes:
+                    serve.delete(app_name(mode))
+                deploy(profile=False)
+            # the modes one after another at each load (so that they see the same spell of the machine), in an
+            # order rotated each repeat; vLLM (its own server, started for this) after them, at every load
+            order = list(modes)[rep % len(modes) :] + list(modes)[: rep % len(modes)]
+            for c in conc:
+                for mode in order:
+                    measure(rep, mode, c)
+            if vllm:
+                proc, urls[vllm] = start_vllm(cfg, Path(args.vllm_venv), max_batch, out / "vllm-server.log")
+                try:
+                    asyncio.run(load(urls[vllm], prompts, 1, 5, 2, sampling))  # warm-up
+                    for c in conc:
+                        measure(rep, vllm, c)
+                finally:
+                    stop_vllm(proc)
+            (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")  # the repeats so far
+        # what each adaptive mode's draft gate measured over the run (each replica's life with --fresh): tokens/s
+        # of drafted and plain rounds per R
+        gates_by_deploy.append(gate_states())
+    finally:
+        serve.shutdown()
     for life, gates in enumerate(gates_by_deploy):
         for mode, gate in gates.items():
             name = f"{mode}, replica {life + 1}" if args.fresh else mode
