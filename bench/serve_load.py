@@ -17,7 +17,10 @@ replica (or --sps-table gives it), and it is printed: the per-round costs.
 Prompts: the first user turn of each eval.prompt_sets conversation, sent as chat (the SmolLM2 config),
 else the built-in corpus's held-out code and prose prompts as plain text; taken from the sets in turn,
 so that a load's first requests cover every set. Each user sends them one after another (streamed, T=1 or --temperature,
-max_tokens 64) for --seconds or --requests per user, whichever ends first (--seconds 0, the default:
+max_tokens 64, or with --max-tokens-spread F each request's drawn from 64 x (1 +- F) by its user and index, the same
+in every mode: with every request alike and the users starting together, target-only decoding keeps a load's
+requests in step, all at one length and ending in one round, which drafting breaks, and a round's attention runs
+over its longest context) for --seconds or --requests per user, whichever ends first (--seconds 0, the default:
 exactly --requests each, and at least --min-requests per point in all: at C = 1 a few requests last a
 few seconds, shorter than the machine's slow spells); TTFT is measured by the client (the first text
 chunk). Every mode sees the same prompts with the same seeds, and seeded sampling makes each output a
@@ -57,6 +60,7 @@ import asyncio
 import itertools
 import json
 import math
+import random
 import signal
 import statistics
 import subprocess
@@ -133,23 +137,33 @@ async def one(client, url: str, body: dict) -> dict | None:
     return res
 
 
-async def user(client, url, prompts, deadline, max_requests, sampling, out):
+def spread_tokens(max_tokens: int, spread: float, u: int, i: int) -> int:
+    """max_tokens of user u's i-th request: uniform over max_tokens x (1 +- spread), rounded, the same for
+    every mode and repeat (a generator seeded with (u, i))."""
+    lo, hi = max(1, round(max_tokens * (1 - spread))), round(max_tokens * (1 + spread))
+    return random.Random(f"{u}/{i}").randint(lo, hi)
+
+
+async def user(client, url, prompts, deadline, max_requests, sampling, out, u=0, spread=0.0):
     i = 0
     while time.perf_counter() < deadline and i < max_requests:
-        res = await one(client, url, {**prompts[i % len(prompts)], **sampling, "seed": i})
+        body = {**prompts[i % len(prompts)], **sampling, "seed": i}
+        if spread:
+            body["max_tokens"] = spread_tokens(sampling["max_tokens"], spread, u, i)
+        res = await one(client, url, body)
         if res is not None:
             out.append(res)
         i += 1
 
 
-async def load(url, prompts, users, seconds, max_requests, sampling) -> dict:
+async def load(url, prompts, users, seconds, max_requests, sampling, spread=0.0) -> dict:
     out: list = []
     async with httpx.AsyncClient(timeout=600) as client:
         t0 = time.perf_counter()
         deadline = t0 + seconds if seconds else math.inf
         await asyncio.gather(
             *(
-                user(client, url, prompts[u::users] or prompts, deadline, max_requests, sampling, out)
+                user(client, url, prompts[u::users] or prompts, deadline, max_requests, sampling, out, u, spread)
                 for u in range(users)
             )
         )
@@ -278,6 +292,12 @@ def main(argv=None):
     p.add_argument("--requests", type=int, default=4, help="per user, per point")
     p.add_argument("--min-requests", type=int, default=16, help="per point: at low load each user sends more")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-tokens-spread",
+        type=float,
+        default=0.0,
+        help="each request's max_tokens uniform over --max-tokens x (1 +- this); 0: all alike",
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="every request's (0: greedy)")
     p.add_argument("--static", default="1,2,4", help="static lengths to compare")
     p.add_argument("--modes", default="", help="only these modes (comma-separated names; default all)")
@@ -342,7 +362,7 @@ def main(argv=None):
                 save_costs(urls[mode], table)
                 profiled = True
         for mode in modes:  # warm-up
-            asyncio.run(load(urls[mode], prompts, 1, 5, 2, sampling))
+            asyncio.run(load(urls[mode], prompts, 1, 5, 2, sampling, args.max_tokens_spread))
 
     def gate_states() -> dict:
         """What each mode's draft gate measured so far (None: a mode without one)."""
@@ -363,7 +383,7 @@ def main(argv=None):
         def measure(rep: int, mode: str, c: int) -> None:
             per_user = max(args.requests, math.ceil(args.min_requests / c))
             before = engine_stats(urls[mode])
-            r = asyncio.run(load(urls[mode], prompts, c, args.seconds, per_user, sampling))
+            r = asyncio.run(load(urls[mode], prompts, c, args.seconds, per_user, sampling, args.max_tokens_spread))
             after = engine_stats(urls[mode])
             for phase in BUSY:  # where the engine thread's time went during the point (None: not our engine)
                 for clock, suffix in (("busy_s", "_s"), ("busy_cpu_s", "_cpu_s")):  # wall, and the thread's CPU time
@@ -405,7 +425,7 @@ def main(argv=None):
             if vllm:
                 proc, urls[vllm] = start_vllm(cfg, Path(args.vllm_venv), max_batch, out / "vllm-server.log")
                 try:
-                    asyncio.run(load(urls[vllm], prompts, 1, 5, 2, sampling))  # warm-up
+                    asyncio.run(load(urls[vllm], prompts, 1, 5, 2, sampling, args.max_tokens_spread))  # warm-up
                     for c in conc:
                         measure(rep, vllm, c)
                 finally:
@@ -474,7 +494,7 @@ def main(argv=None):
     plot(med, out / "serve_load.png")
     print(
         f"\n[load] {out}/results.json, {out}/serve_load.png; loopback HTTP, T={args.temperature:g}, "
-        f"max_tokens {args.max_tokens}"
+        f"max_tokens {args.max_tokens}" + (f" +- {args.max_tokens_spread:.0%}" if args.max_tokens_spread else "")
     )
 
 

@@ -1,7 +1,8 @@
 """bench/serve_load.py takes its prompts from the prompt sets in turn, so that a load's first requests
 (a user sends items u, u + C, ...) cover every set rather than the first set only; its [gate run] lines
 count the drafter's catch-up in a drafted round's speed; a point's plain rounds at full load are timed from
-the engine's counters, and a median skips the repeats without them."""
+the engine's counters, and a median skips the repeats without them; with a spread, each request's max_tokens
+is drawn from its user and index alone."""
 
 import json
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
-from serve_load import bench_prompts, median_row, plain_rounds, round_robin, run_line  # noqa: E402
+from serve_load import bench_prompts, median_row, plain_rounds, round_robin, run_line, spread_tokens  # noqa: E402
 
 from dspark.config import load_config  # noqa: E402
 
@@ -19,6 +20,14 @@ from dspark.config import load_config  # noqa: E402
 def test_round_robin_takes_one_of_each_group_in_turn():
     assert round_robin([[1, 2, 3], ["a"], ["x", "y"]]) == [1, "a", "x", 2, "y", 3]
     assert round_robin([]) == []
+
+
+def test_spread_lengths_are_the_same_in_every_mode_and_cover_their_range():
+    drawn = [spread_tokens(64, 0.5, u, i) for u in range(16) for i in range(8)]
+    assert drawn == [spread_tokens(64, 0.5, u, i) for u in range(16) for i in range(8)]  # a function of (u, i)
+    assert min(drawn) >= 32 and max(drawn) <= 96 and len(set(drawn)) > 32  # spread over 32..96, not one value
+    assert spread_tokens(64, 0.5, 0, 1) != spread_tokens(64, 0.5, 1, 0)  # users differ
+    assert spread_tokens(2, 1.0, 3, 4) >= 1
 
 
 def test_first_requests_cover_every_prompt_set():
