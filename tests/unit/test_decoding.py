@@ -247,6 +247,7 @@ def _sample(model, prompt, drafter, policy, n, gamma=4):
 B = np.arange(1, 4097)
 KNEE = SPSTable(B.tolist(), (100.0 / (1 + (B / 600.0) ** 1.5) ** (2 / 3)).tolist())
 CATCH_UP_S = 2e-4  # t_e of the catch-up case below
+RESUME_T_E = 5e-3  # t_e of the resume case: a plain round's positions of all 256 requests cost about a drafted round
 
 
 def _greedy_policy(s, R, g):
@@ -289,7 +290,7 @@ def test_sampling_matches_target_distribution(request, target, name, policy):
     assert p_value > 1e-3, (name, p_value, n)
 
 
-CLOCKED = ("timed", "lone", "inferred", "scaled")  # the draft gate's cases that decide from what rounds took
+CLOCKED = ("timed", "lone", "inferred", "scaled", "resume")  # the draft gate's cases that decide from what rounds took
 
 
 @pytest.mark.parametrize("kind", ["cost", "idle", "gap", "catch-up", *CLOCKED])
@@ -314,7 +315,10 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     below R or a win above it, whichever the parity of (tokens emitted so far) // 5 says (a plain round
     at R = 256 keeps the parity of the count itself). scaled: as inferred, but the neighbour is a loss
     above R or a win below it, where only its measured gain carried along the model's shape decides
-    (`DraftGate.scaled`)."""
+    (`DraftGate.scaled`). resume: as timed, but drafted rounds always emit twice plain rounds' tokens per
+    second, and a round that would resume drafting is judged with the catch-up over the plain rounds'
+    positions it reads first (`stale`, t_e each): the verdict follows how many requests last had a plain
+    round, where the steady one always says draft."""
     model, prompt = tiny
     law = _exact_law(model, prompt)
     if kind in ("cost", "gap", "catch-up"):
@@ -332,13 +336,19 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         gate = policies.DraftGate(cost, 4, max_interval=4 if kind == "gap" else 8, overhead=6.0, min_rounds=0)
     elif kind in CLOCKED:
         cost, policy = KNEE, policies.make_policy("greedy", KNEE)  # the model alone: drafting always pays
-        gate = policies.DraftGate(cost, 4, max_interval=4, min_rounds=2 if kind in ("timed", "lone") else 10**9)
+        if kind == "resume":
+            cost = SPSTable(KNEE.batch, KNEE.sps, extend_s=RESUME_T_E)
+        gate = policies.DraftGate(
+            cost, 4, max_interval=4, min_rounds=2 if kind in ("timed", "lone", "resume") else 10**9
+        )
+        if kind == "resume":  # the prompts' reading left out of drafting's price: only the stale positions cost
+            gate.prompt_s_per_token = lambda: 0.0
         timed = gate.timed
         total = [0]  # tokens emitted so far
 
         def fake_timed(R, drafted, n, s, catch_up_s=0.0, after_drafted=False):  # plain: 1 s for R tokens; drafted
-            total[0] += n  # 0.5 or 3 s (by `total`)
-            seconds = n / R * (0.5 if total[0] < 8000 else 3.0) if drafted else 1.0
+            total[0] += n  # 0.5 or 3 s (by `total`; resume: 0.5)
+            seconds = n / R * (0.5 if total[0] < 8000 or kind == "resume" else 3.0) if drafted else 1.0
             timed(R, drafted, n, seconds, catch_up_s, after_drafted)
             if kind == "inferred":  # a loss measured at R = 2, or a win at a load above any here
                 gate.verdicts = {2: False} if total[0] // 5 % 2 else {10**6: True}
@@ -348,8 +358,14 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
                 )
 
         gate.timed = fake_timed
-        measured, verdicts = gate.measured, []  # the measured verdicts the gate drew
-        gate.measured = lambda R, own=None: verdicts.append(measured(R, own)) or verdicts[-1]
+        measured, verdicts, steady = gate.measured, [], []  # the measured verdicts the gate drew, and without stale
+
+        def record(R, own=None, stale=0):
+            steady.append(measured(R, own))
+            verdicts.append(measured(R, own, stale))
+            return verdicts[-1]
+
+        gate.measured = record
         inferred, inferences = gate.inferred, []  # the neighbours' verdicts it drew
         gate.inferred = lambda R: inferences.append(inferred(R)) or inferences[-1]
         scaled, carried = gate.scaled, []  # those drawn from a neighbour's gain
@@ -387,6 +403,9 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     if kind == "lone":  # the weight of a request's own rounds was measured on the requests that ended
         print(f"[exactness] k = {gate.prior_rounds()} from {gate.ended_drafted} requests")
         assert gate.ended_drafted >= gate.min_rounds
+    if kind == "resume":  # drafting always paid in steady state; the catch-up before resuming decided
+        print(f"[exactness] (steady, resuming) verdicts: {collections.Counter(zip(steady, verdicts))}")
+        assert set(steady) <= {True, None} and {True, False} <= set(verdicts)
     if kind in ("timed", "lone"):  # both kinds of round were timed at the full batch, and the measurement decided
         print(f"[exactness] measured verdicts: {collections.Counter(verdicts)}")
         assert min(gate.speed(R, drafted)[1] for drafted in (True, False)) >= 2
@@ -715,10 +734,11 @@ def test_a_drafter_that_skipped_rounds_catches_up_to_the_same_state(tgt, prompt,
     """Rounds that skip drafting hand their committed positions to the drafter just before it next
     drafts, several rounds in one call: its cache then equals one built from the whole sequence at once."""
     drafter = _drafter(tgt, kind)
-    calls = itertools.count()
+    calls, told = itertools.count(), []
 
     class EveryThird:  # a gate: draft in rounds 0, 3, 6, ..
-        def __call__(self, R, behind, own):
+        def __call__(self, R, behind, own, stale):
+            told.append(stale)
             return next(calls) % 3 == 0
 
         def observe(self, verified, accepted):
@@ -733,6 +753,7 @@ def test_a_drafter_that_skipped_rounds_catches_up_to_the_same_state(tgt, prompt,
     for _ in range(8):
         dec.step()
     assert [r.drafted for r in req.rounds] == [True, False, False] * 2 + [True, False]
+    assert told == [0, 0, 1, 2, 0, 1, 2, 0]  # the gate hears the positions of plain rounds since the last drafted one
     assert len(req.pending) == 2  # rounds 6 and 7 are not handed over yet
     assert req.behind == sum(len(t) for _, t in req.pending) >= 2  # what the gate is told
     assert dec._catch_up([req]) and not req.pending and req.behind == 0
@@ -759,7 +780,7 @@ def test_the_gate_hears_which_plain_rounds_follow_a_drafted_one_on_the_decoders_
         def __init__(self):
             self.calls = itertools.count()
 
-        def __call__(self, R, behind, own):
+        def __call__(self, R, behind, own, stale):
             return next(self.calls) % 4 < 2
 
         def observe(self, verified, accepted):

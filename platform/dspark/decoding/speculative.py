@@ -83,6 +83,7 @@ class Request:
     rounds: list[RoundRecord] = field(default_factory=list)
     drafted_rounds: int = 0  # rounds drafted for it, and the drafts accepted in them (what the gate reads)
     drafts_accepted: int = 0
+    plain_since_drafted: int = 0  # plain rounds since its latest drafted round: positions a drafter resuming reads
     done: bool = False
     prefill_s: float = 0.0
     draft_s: float = 0.0  # decode phase only (prefill excluded)
@@ -282,7 +283,8 @@ class SpeculativeDecoder:
         lengths = [0] * len(reqs)
         probe_s = 0.0  # the catch-up beyond one drafted round's positions: a probe's price (probe_gap)
         own = [(r.drafted_rounds, r.drafts_accepted) for r in reqs] if self.gate is not None else None
-        if self.gamma and (self.gate is None or self.gate(len(reqs), self._behind(reqs), own)):
+        stale = sum(r.plain_since_drafted for r in reqs)
+        if self.gamma and (self.gate is None or self.gate(len(reqs), self._behind(reqs), own, stale)):
             t0, c0 = time.perf_counter(), self.clock()
             # steady drafting reads the previous drafted round's tokens; the rest is earlier plain rounds' and prompts'
             extra = sum(r.behind for r in reqs if not (r.rounds and r.rounds[-1].drafted))
@@ -333,6 +335,7 @@ class SpeculativeDecoder:
             r.rounds.append(RoundRecord(lengths[i], n, conf_rows[i], surv_rows[i], prop is not None))
             if prop is not None:
                 r.drafted_rounds, r.drafts_accepted = r.drafted_rounds + 1, r.drafts_accepted + n
+            r.plain_since_drafted = 0 if prop is not None else r.plain_since_drafted + 1
             self.runner.truncate(r.slot, starts[i] + 1 + n)  # keep x_0 and the accepted drafts
             new = draft_ids[i][:n] + [emitted[i]]  # made by the target's rows 0..n of this request
             lp = token_logprobs(out.logits[i], new, r.logprobs) if r.logprobs >= 0 else None
