@@ -386,7 +386,7 @@ class DraftGate:
         `stale` positions of plain rounds to read first, in those seconds and their catch-up, t_e * stale:
         the drafted round that resumes drafting pays it (the timed ones leave it out: in steady drafting
         there is none), so drafting that pays only in steady state is not resumed for requests at the margin
-        round after round (at 16 users on the built-in target, where the gate drafted 8-27% of the rounds,
+        round after round (at 16 users on the built-in target, where the gate drafted 12-27% of the rounds,
         that catch-up was 8-14% of the drafted rounds' time)."""
         drafted, plain = self.enough(R, True), self.enough(R, False)
         if drafted is None or plain is None:
