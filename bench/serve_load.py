@@ -18,9 +18,7 @@ Prompts: the first user turn of each eval.prompt_sets conversation, sent as chat
 else the built-in corpus's held-out code and prose prompts as plain text; taken from the sets in turn,
 so that a load's first requests cover every set. Each user sends them one after another (streamed, T=1 or --temperature,
 max_tokens 64, or with --max-tokens-spread F each request's drawn from 64 x (1 +- F) by its user and index, the same
-in every mode: with every request alike and the users starting together, target-only decoding keeps a load's
-requests in step, all at one length and ending in one round, which drafting breaks, and a round's attention runs
-over its longest context) for --seconds or --requests per user, whichever ends first (--seconds 0, the default:
+in every mode: requests of unlike lengths, as in real traffic) for --seconds or --requests per user, whichever ends first (--seconds 0, the default:
 exactly --requests each, and at least --min-requests per point in all: at C = 1 a few requests last a
 few seconds, shorter than the machine's slow spells); TTFT is measured by the client (the first text
 chunk). Every mode sees the same prompts with the same seeds, and seeded sampling makes each output a
