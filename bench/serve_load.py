@@ -18,9 +18,9 @@ Prompts: the first user turn of each eval.prompt_sets conversation, sent as chat
 else the built-in corpus's held-out code and prose prompts as plain text; taken from the sets in turn,
 so that a load's first requests cover every set. Each user sends them one after another (streamed, T=1 or --temperature,
 max_tokens 64, or with --max-tokens-spread F each request's drawn from 64 x (1 +- F) by its user and index, the same
-in every mode: requests of unlike lengths, as in real traffic) for --seconds or --requests per user, whichever ends first (--seconds 0, the default:
-exactly --requests each, and at least --min-requests per point in all: at C = 1 a few requests last a
-few seconds, shorter than the machine's slow spells); TTFT is measured by the client (the first text
+in every mode: requests of unlike lengths, as in real traffic) for --seconds or --requests per user, whichever ends
+first (--seconds 0, the default: exactly --requests each, and at least --min-requests per point in all: at C = 1 a
+few requests last a few seconds, shorter than the machine's slow spells); TTFT is measured by the client (the first text
 chunk). Every mode sees the same prompts with the same seeds, and seeded sampling makes each output a
 function of its prompt and seed: without a deadline every mode does the same work (the tables give the
 tokens each point produced: equal in float32; in bfloat16 a verification forward over more tokens can
@@ -135,33 +135,33 @@ async def one(client, url: str, body: dict) -> dict | None:
     return res
 
 
-def spread_tokens(max_tokens: int, spread: float, u: int, i: int) -> int:
+def spread_tokens(max_tokens: int, length_spread: float, u: int, i: int) -> int:
     """max_tokens of user u's i-th request: uniform over max_tokens x (1 +- spread), rounded, the same for
     every mode and repeat (a generator seeded with (u, i))."""
-    lo, hi = max(1, round(max_tokens * (1 - spread))), round(max_tokens * (1 + spread))
+    lo, hi = max(1, round(max_tokens * (1 - length_spread))), round(max_tokens * (1 + length_spread))
     return random.Random(f"{u}/{i}").randint(lo, hi)
 
 
-async def user(client, url, prompts, deadline, max_requests, sampling, out, u=0, spread=0.0):
+async def user(client, url, prompts, deadline, max_requests, sampling, out, u, length_spread=0.0):
     i = 0
     while time.perf_counter() < deadline and i < max_requests:
         body = {**prompts[i % len(prompts)], **sampling, "seed": i}
-        if spread:
-            body["max_tokens"] = spread_tokens(sampling["max_tokens"], spread, u, i)
+        if length_spread:
+            body["max_tokens"] = spread_tokens(sampling["max_tokens"], length_spread, u, i)
         res = await one(client, url, body)
         if res is not None:
             out.append(res)
         i += 1
 
 
-async def load(url, prompts, users, seconds, max_requests, sampling, spread=0.0) -> dict:
+async def load(url, prompts, users, seconds, max_requests, sampling, length_spread=0.0) -> dict:
     out: list = []
     async with httpx.AsyncClient(timeout=600) as client:
         t0 = time.perf_counter()
         deadline = t0 + seconds if seconds else math.inf
         await asyncio.gather(
             *(
-                user(client, url, prompts[u::users] or prompts, deadline, max_requests, sampling, out, u, spread)
+                user(client, url, prompts[u::users] or prompts, deadline, max_requests, sampling, out, u, length_spread)
                 for u in range(users)
             )
         )
@@ -309,6 +309,8 @@ def main(argv=None):
     p.add_argument("--out", default="results/serve_load")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
+    if args.max_tokens_spread < 0:
+        raise UserError(f"--max-tokens-spread: must be >= 0 (got {args.max_tokens_spread})")
     prompts = [{**b, "model": cfg.serve.model_name} for b in bench_prompts(cfg)]
     conc = [int(c) for c in args.concurrency.split(",")]
     max_batch = args.max_batch or max(conc)
@@ -372,7 +374,7 @@ def main(argv=None):
                 gates[m] = {"error": str(e)}
         return gates
 
-    try:  # whatever fails, the applications go with this driver (Serve outlives it otherwise)
+    try:  # whatever fails, the applications this run deployed go with it (on a joined cluster Serve outlives it)
         deploy(profile=not args.sps_table)
         print_costs(table)
         vllm = VLLM_MODE if args.vllm else None
@@ -433,7 +435,8 @@ def main(argv=None):
         # of drafted and plain rounds per R
         gates_by_deploy.append(gate_states())
     finally:
-        serve.shutdown()
+        if urls:  # none: nothing deployed, and a Serve already running (run_local refuses to share one) is not ours
+            serve.shutdown()
     for life, gates in enumerate(gates_by_deploy):
         for mode, gate in gates.items():
             name = f"{mode}, replica {life + 1}" if args.fresh else mode

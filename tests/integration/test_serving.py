@@ -12,6 +12,7 @@ import pytest
 from conftest import wait_for
 
 from dspark import target as targets
+from dspark.services import RayHead
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from http_fuzz import plain_greedy, run_checks, start_app  # noqa: E402
@@ -167,8 +168,6 @@ def test_auth_overload_and_disconnect_leave_the_server_healthy(server):
 def test_the_replica_log_holds_the_applications_records(server, services_dir):
     """What the application logs (here the cost tables, at replica start) reaches the replica's log file
     under the Ray session of the head it runs on."""
-    from dspark.services import RayHead
-
     logs = Path(RayHead(services_dir).temp_dir()) / "session_latest" / "logs" / "serve"
     wait_for(
         lambda: any("cost tables ready in" in f.read_text(errors="replace") for f in logs.glob("replica_*.log")),

@@ -317,7 +317,7 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
     above R or a win below it, where only its measured gain carried along the model's shape decides
     (`DraftGate.scaled`). resume: as timed, but drafted rounds always emit twice plain rounds' tokens per
     second, and a round that would resume drafting is judged with the catch-up over the plain rounds'
-    positions it reads first (`stale`, t_e each): the verdict follows how many requests last had a plain
+    positions it reads first (`plain_behind`, t_e each): the verdict follows how many requests last had a plain
     round, where the steady one always says draft."""
     model, prompt = tiny
     law = _exact_law(model, prompt)
@@ -341,7 +341,7 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
         gate = policies.DraftGate(
             cost, 4, max_interval=4, min_rounds=2 if kind in ("timed", "lone", "resume") else 10**9
         )
-        if kind == "resume":  # the prompts' reading left out of drafting's price: only the stale positions cost
+        if kind == "resume":  # the prompts' reading left out of drafting's price: only the plain rounds' positions cost
             gate.prompt_s_per_token = lambda: 0.0
         timed = gate.timed
         total = [0]  # tokens emitted so far
@@ -358,11 +358,11 @@ def test_the_draft_gate_keeps_the_target_distribution(tiny, kind):
                 )
 
         gate.timed = fake_timed
-        measured, verdicts, steady = gate.measured, [], []  # the measured verdicts the gate drew, and without stale
+        measured, verdicts, steady = gate.measured, [], []  # the measured verdicts the gate drew, and steady ones
 
-        def record(R, own=None, stale=0):
+        def record(R, own=None, plain_behind=0):
             steady.append(measured(R, own))
-            verdicts.append(measured(R, own, stale))
+            verdicts.append(measured(R, own, plain_behind))
             return verdicts[-1]
 
         gate.measured = record
@@ -737,8 +737,8 @@ def test_a_drafter_that_skipped_rounds_catches_up_to_the_same_state(tgt, prompt,
     calls, told = itertools.count(), []
 
     class EveryThird:  # a gate: draft in rounds 0, 3, 6, ..
-        def __call__(self, R, behind, own, stale):
-            told.append(stale)
+        def __call__(self, R, behind, own, plain_behind):
+            told.append(plain_behind)
             return next(calls) % 3 == 0
 
         def observe(self, verified, accepted):
@@ -780,7 +780,7 @@ def test_the_gate_hears_which_plain_rounds_follow_a_drafted_one_on_the_decoders_
         def __init__(self):
             self.calls = itertools.count()
 
-        def __call__(self, R, behind, own, stale):
+        def __call__(self, R, behind, own, plain_behind):
             return next(self.calls) % 4 < 2
 
         def observe(self, verified, accepted):

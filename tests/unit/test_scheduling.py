@@ -515,6 +515,21 @@ def test_until_drafted_rounds_were_timed_at_r_every_other_round_drafts():
     assert decisions[:8] == [False, True] * 4 and not any(decisions[8:]) and gate.probe_gap(1) == 100
 
 
+def test_resuming_drafting_is_judged_with_its_catch_up():
+    """Drafted rounds measured at twice plain rounds' tokens/s (timed without catch-up: steady drafting has
+    none) still lose a round that must first read the plain rounds' positions since its requests' latest
+    drafted round, once that catch-up (t_e each) outweighs the gain: 8 tokens in 0.04 s + t_e k against 100
+    tokens/s, so with t_e = 1 ms drafting pays while k < 40; the recorded verdict stays the steady one."""
+    sps = SPSTable([1, 64], [100.0, 100.0], draft_batch=[1], draft_s=[0.01], extend_s=0.001)
+    gate = DraftGate(sps, gamma=4, max_interval=256, min_rounds=4)
+    gate.observe([4] * 4, [1] * 4)
+    for _ in range(4):
+        gate.timed(4, True, 8, 0.04)
+        gate.timed(4, False, 4, 0.04)
+    assert gate.measured(4) and gate.measured(4, None, 39) and not gate.measured(4, None, 40)
+    assert gate.drafting_pays(4, None, 39) and not gate.drafting_pays(4, None, 41) and gate.verdicts[4]
+
+
 def test_a_new_request_is_judged_by_its_own_drafts():
     """A first request whose drafts are never accepted stops drafting, but for probes at its own price (no
     request ended: k = 1, its own rounds weigh). A new lone request is probed at its own price too,

@@ -94,7 +94,7 @@ class _ForcedGate:
 
     draft = True
 
-    def __call__(self, R: int, behind: int = 0, own=None, stale: int = 0) -> bool:
+    def __call__(self, R: int, behind: int = 0, own=None, plain_behind: int = 0) -> bool:
         return self.draft
 
     def observe(self, *_) -> None:

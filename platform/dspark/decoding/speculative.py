@@ -109,6 +109,7 @@ class Request:
     def clear_pending(self) -> None:
         self.pending.clear()
         self.behind = 0
+        self.plain_since_drafted = 0  # read: a round whose drafter then failed leaves no plain round behind
 
     @property
     def tau(self) -> float:
@@ -283,8 +284,8 @@ class SpeculativeDecoder:
         lengths = [0] * len(reqs)
         probe_s = 0.0  # the catch-up beyond one drafted round's positions: a probe's price (probe_gap)
         own = [(r.drafted_rounds, r.drafts_accepted) for r in reqs] if self.gate is not None else None
-        stale = sum(r.plain_since_drafted for r in reqs)
-        if self.gamma and (self.gate is None or self.gate(len(reqs), self._behind(reqs), own, stale)):
+        plain_behind = sum(r.plain_since_drafted for r in reqs)
+        if self.gamma and (self.gate is None or self.gate(len(reqs), self._behind(reqs), own, plain_behind)):
             t0, c0 = time.perf_counter(), self.clock()
             # steady drafting reads the previous drafted round's tokens; the rest is earlier plain rounds' and prompts'
             extra = sum(r.behind for r in reqs if not (r.rounds and r.rounds[-1].drafted))

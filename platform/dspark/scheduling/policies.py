@@ -233,7 +233,7 @@ class DraftGate:
     drafting goes on unless drafted rounds emit fewer tokens per second than plain ones (by more than `z`
     standard errors of the difference: z > 0 gives drafting the benefit of the doubt); a round that would
     resume drafting after plain rounds is judged with the catch-up over their positions it pays first
-    (`stale`, t_e each; `measured`), which the timed rounds leave out. A profiled cost
+    (`plain_behind`, t_e each; `measured`), which the timed rounds leave out. A profiled cost
     curve taken on another thread count or load, overheads it does not price, or a policy that verifies
     other lengths than the static ones the model assumes then cannot make drafting lose for long; a few
     unlucky drafted rounds (a drafted round emits 1 to gamma + 1 tokens per request) that stop drafting
@@ -317,16 +317,18 @@ class DraftGate:
         self.request_moments, self.ended_drafted = np.zeros(4), 0
         self.prompt_tokens, self.output_tokens, self.ended = 0.0, 0.0, 0  # mean prompt and output of ended requests
 
-    def __call__(self, R: int, behind: int = 0, own: Optional[list[tuple[int, int]]] = None, stale: int = 0) -> bool:
+    def __call__(
+        self, R: int, behind: int = 0, own: Optional[list[tuple[int, int]]] = None, plain_behind: int = 0
+    ) -> bool:
         """Draft this round for R requests? `behind`: context positions the drafter has not read yet (it
         reads them first, t_e each). `own`: per request, its drafted rounds and the drafts accepted in them
-        (None: the server's rounds alone decide). `stale`: of those, the positions of plain rounds since each
+        (None: the server's rounds alone decide). `plain_behind`: of those, the positions of plain rounds since each
         request's latest drafted round (what resuming drafting reads beyond steady drafting; `measured`)."""
         if self.max_interval == 0 or not self.seen:
             return True
         # a lone request, where min_rounds rounds of its own outweigh the server's mean: its own price decides
         lone = R == 1 and bool(own) and self.prior_rounds() <= self.min_rounds
-        if not self.idle and self.drafting_pays(R, own, stale):
+        if not self.idle and self.drafting_pays(R, own, plain_behind):
             self.interval[R], self.skipped[R] = 1, 0
             timed_plain = self.speed(R, False)[1]
             if self.since_plain.get(R, 0) >= (2 if timed_plain < self.min_rounds else self.max_interval):
@@ -379,11 +381,11 @@ class DraftGate:
         tau2 = (xx - x * x) * m / (m - 1) - sigma2 * inv_n
         return sigma2 / tau2 if tau2 > 0 else math.inf
 
-    def measured(self, R: int, own: Optional[list[tuple[int, int]]] = None, stale: int = 0) -> bool | None:
+    def measured(self, R: int, own: Optional[list[tuple[int, int]]] = None, plain_behind: int = 0) -> bool | None:
         """Once drafted and plain rounds at R were each timed `min_rounds` times: False when drafted ones
         emit fewer tokens/s by more than `z` standard errors of the difference, else True; before, None.
         With `own`, drafted rounds emit the tokens expected for these requests in the seconds measured; with
-        `stale` positions of plain rounds to read first, in those seconds and their catch-up, t_e * stale:
+        `plain_behind` positions of plain rounds to read first, in those seconds and their catch-up, t_e * plain_behind:
         the drafted round that resumes drafting pays it (the timed ones leave it out: in steady drafting
         there is none), so drafting that pays only in steady state is not resumed for requests at the margin
         round after round (at 16 users on the built-in target, where the gate drafted 12-27% of the rounds,
@@ -392,14 +394,14 @@ class DraftGate:
         if drafted is None or plain is None:
             return None
         scale = 1.0 if not own else self.expected_tokens(own) / drafted.t  # tokens for these requests
-        scale *= drafted.s / (drafted.s + self.sps.catch_up_time(stale))  # t / (s + t_e stale) = scale t / s
+        scale *= drafted.s / (drafted.s + self.sps.catch_up_time(plain_behind))  # t / (s + t_e p) = scale t / s
         se = math.hypot(scale * drafted.rate_se(), plain.rate_se())
         return scale * drafted.rate - plain.rate + self.z * se > 0
 
-    def drafting_pays(self, R: int, own: Optional[list[tuple[int, int]]] = None, stale: int = 0) -> bool:
-        """The measured verdict at R where there is one (for these requests, `stale` positions behind), else a
+    def drafting_pays(self, R: int, own: Optional[list[tuple[int, int]]] = None, plain_behind: int = 0) -> bool:
+        """The measured verdict at R where there is one (for these requests, `plain_behind` positions behind), else a
         neighbour's (`inferred`), else the model (`draft_pays` with the measured alpha)."""
-        verdict = self.measured(R, own, stale)
+        verdict = self.measured(R, own, plain_behind)
         if verdict is None:
             verdict = self.inferred(R)
         if verdict is not None:
