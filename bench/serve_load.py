@@ -136,7 +136,7 @@ async def one(client, url: str, body: dict) -> dict | None:
 
 
 def spread_tokens(max_tokens: int, length_spread: float, u: int, i: int) -> int:
-    """max_tokens of user u's i-th request: uniform over max_tokens x (1 +- spread), rounded, the same for
+    """max_tokens of user u's i-th request: uniform over max_tokens x (1 +- length_spread), rounded, the same for
     every mode and repeat (a generator seeded with (u, i))."""
     lo, hi = max(1, round(max_tokens * (1 - length_spread))), round(max_tokens * (1 + length_spread))
     return random.Random(f"{u}/{i}").randint(lo, hi)
