@@ -83,7 +83,7 @@ class Request:
     rounds: list[RoundRecord] = field(default_factory=list)
     drafted_rounds: int = 0  # rounds drafted for it, and the drafts accepted in them (what the gate reads)
     drafts_accepted: int = 0
-    plain_since_drafted: int = 0  # plain rounds since its latest drafted round: positions a drafter resuming reads
+    plain_since_drafted: int = 0  # positions of plain rounds the drafter has not read (reset by clear_pending)
     done: bool = False
     prefill_s: float = 0.0
     draft_s: float = 0.0  # decode phase only (prefill excluded)
@@ -109,7 +109,7 @@ class Request:
     def clear_pending(self) -> None:
         self.pending.clear()
         self.behind = 0
-        self.plain_since_drafted = 0  # read: a round whose drafter then failed leaves no plain round behind
+        self.plain_since_drafted = 0
 
     @property
     def tau(self) -> float:
@@ -336,7 +336,8 @@ class SpeculativeDecoder:
             r.rounds.append(RoundRecord(lengths[i], n, conf_rows[i], surv_rows[i], prop is not None))
             if prop is not None:
                 r.drafted_rounds, r.drafts_accepted = r.drafted_rounds + 1, r.drafts_accepted + n
-            r.plain_since_drafted = 0 if prop is not None else r.plain_since_drafted + 1
+            if prop is None:  # one more position the drafter reads when it next drafts (a catch-up resets it)
+                r.plain_since_drafted += 1
             self.runner.truncate(r.slot, starts[i] + 1 + n)  # keep x_0 and the accepted drafts
             new = draft_ids[i][:n] + [emitted[i]]  # made by the target's rows 0..n of this request
             lp = token_logprobs(out.logits[i], new, r.logprobs) if r.logprobs >= 0 else None
