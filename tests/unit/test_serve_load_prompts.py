@@ -2,7 +2,7 @@
 (a user sends items u, u + C, ...) cover every set rather than the first set only; its [gate run] lines
 count the drafter's catch-up in a drafted round's speed; a point's plain rounds at full load are timed from
 the engine's counters, and a median skips the repeats without them; with a spread, each request's max_tokens
-is drawn from its user and index alone."""
+is drawn from its user and index alone; the rate while every user was in leaves the ramp and the drain out."""
 
 import json
 import sys
@@ -12,7 +12,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
-from serve_load import bench_prompts, median_row, plain_rounds, round_robin, run_line, spread_tokens  # noqa: E402
+from serve_load import (  # noqa: E402
+    bench_prompts,
+    best_ratios,
+    median_row,
+    plain_rounds,
+    round_robin,
+    run_line,
+    spread_tokens,
+    steady_rate,
+)
 
 from dspark.config import load_config  # noqa: E402
 
@@ -60,3 +69,34 @@ def test_a_points_plain_rounds_are_the_difference_of_the_engines_counters():
     ]
     assert median_row(rows) == {"tok_s": 2.0, "plain_round_ms": 7.0}
     assert median_row([{"tok_s": 1.0, "budget": None}]) == {"tok_s": 1.0, "budget": None}
+
+
+def request(user: int, start: float, latency: float, tokens: int, ttft: float = 0.0) -> dict:
+    return {"user": user, "start": start, "latency": latency, "tokens": tokens, "ttft": ttft}
+
+
+def test_the_steady_rate_counts_the_window_where_every_user_was_in():
+    # user 0: 0-1 s and 1-2 s; user 1 joins at 0.5 s and ends at 3.5 s: the window is 0.5-2 s
+    reqs = [request(0, 0.0, 1.0, 10), request(0, 1.0, 1.0, 10), request(1, 0.5, 1.0, 10), request(1, 1.5, 2.0, 20)]
+    rate, seconds = steady_rate(reqs)
+    assert seconds == pytest.approx(1.5)
+    assert rate == pytest.approx((5 + 10 + 10 + 5) / 1.5)  # each request's share of the window, at an even pace
+    # tokens stream from the first text on: user 1's last request sends nothing in its first second
+    rate, _ = steady_rate(reqs[:3] + [request(1, 1.5, 2.0, 20, ttft=1.0)])
+    assert rate == pytest.approx((5 + 10 + 10 + 20 * 0.0) / 1.5)
+    # one user: the whole point, first text to last end
+    assert steady_rate([request(0, 0.0, 1.0, 10), request(0, 1.0, 3.0, 30)]) == (pytest.approx(10.0), 4.0)
+    # no moment with both users in
+    assert steady_rate([request(0, 0.0, 1.0, 10), request(1, 2.0, 1.0, 10)]) == (None, 0.0)
+
+
+def test_ratios_are_taken_within_repeats_that_measured_every_mode():
+    row = lambda x, y: {"tok_s": x, "steady_tok_s": y}  # noqa: E731
+    results = {
+        "target-only": {16: [row(100, 110), row(100, 100), row(90, None)]},
+        "static 7": {16: [row(80, 120), row(90, 80)]},
+        "adaptive": {16: [row(95, 114), row(99, 102), row(90, 90)]},
+    }
+    fixed = ["target-only", "static 7"]
+    assert best_ratios(results, 16, fixed, "tok_s") == [pytest.approx(0.95), pytest.approx(0.99)]
+    assert best_ratios(results, 16, fixed, "steady_tok_s") == [pytest.approx(0.95), pytest.approx(1.02)]
