@@ -26,8 +26,8 @@ function of its prompt and seed: without a deadline every mode does the same wor
 tokens each point produced: equal in float32; in bfloat16 a verification forward over more tokens can
 round a near-tie the other way), and tokens/s compares speed. Beside its tokens/s over the whole point, each
 point has its tokens/s while every user was in (`steady_rate`: from the last user's first request to the first
-user's last end), the speed at that load without the loop's ramp and drain; the adaptive/best-fixed ratio is
-given on both.
+user's last end), the speed at that load without the loop's drain, each mode over its own window and the work in
+it; the adaptive/best-fixed ratio is given on both.
 --repeats N measures every point N times; at each load the modes run one after another, in an order
 rotated each repeat (so a slow spell of the machine does not fall on one mode); tables give medians,
 and the adaptive/best-fixed ratio is taken within each repeat. --fresh deploys every mode anew before each
@@ -145,18 +145,24 @@ def spread_tokens(max_tokens: int, length_spread: float, u: int, i: int) -> int:
     return random.Random(f"{u}/{i}").randint(lo, hi)
 
 
-def steady_rate(requests: list[dict]) -> tuple[float | None, float]:
-    """Tokens/s while the load was whole, and for how many seconds: from when the last user sent its first
-    request to when the first user's last request ended, every user had a request in flight. The closed loop's
-    ramp and drain are left out: its end, where users that finished their requests early leave the others
-    decoding at a smaller batch, measures how evenly a mode served the users rather than its speed at that load.
-    A request's tokens count at an even pace over its streaming (first text to end), for the part of it inside
-    the window. (None, 0.0): no such window (a user's requests all ended before another's first was sent)."""
-    users: dict[int, list[dict]] = {}
+def steady_rate(requests: list[dict], users: int, until: float = math.inf) -> tuple[float | None, float]:
+    """Tokens/s while every one of `users` users had a request in flight, and for how many seconds: from when the
+    last user sent its first request to when the first user's last request ended (or `until`, the deadline after
+    which users send no more). The closed loop's drain is left out (the first requests' prefill stays in): at its
+    end, users that finished early leave the others decoding at a smaller batch, which measures how evenly a mode
+    served its users rather than its speed at that load. The window, and the work in it, are each mode's own: a
+    mode that serves some users faster gets more of their requests into it, as an endless loop would. A request's
+    tokens count at an even pace over its streaming (first text to end), for the part of it inside the window
+    (requests still running at its end speed up after it, as the batch shrinks: their share is slightly
+    overcounted). (None, 0.0): no such window (a user without a request that succeeded, or whose requests all
+    ended before another's first was sent)."""
+    by_user: dict[int, list[dict]] = {}
     for r in requests:
-        users.setdefault(r["user"], []).append(r)
-    a = max(min(r["start"] for r in rs) for rs in users.values())
-    b = min(max(r["start"] + r["latency"] for r in rs) for rs in users.values())
+        by_user.setdefault(r["user"], []).append(r)
+    if len(by_user) < users:
+        return None, 0.0
+    a = max(min(r["start"] for r in rs) for rs in by_user.values())
+    b = min(until, *(max(r["start"] + r["latency"] for r in rs) for rs in by_user.values()))
     if b <= a:
         return None, 0.0
     tokens = 0.0
@@ -197,7 +203,7 @@ async def load(url, prompts, users, seconds, max_requests, sampling, length_spre
         raise UserError(f"no request to {url} succeeded")
     lat = sorted(x["latency"] for x in out)
     spec = [x for x in out if "budget" in x]
-    steady, steady_s = steady_rate(out)
+    steady, steady_s = steady_rate(out, users, deadline)
     return {
         "requests": len(out),
         "tokens": sum(x["tokens"] for x in out),

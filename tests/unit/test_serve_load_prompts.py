@@ -2,7 +2,7 @@
 (a user sends items u, u + C, ...) cover every set rather than the first set only; its [gate run] lines
 count the drafter's catch-up in a drafted round's speed; a point's plain rounds at full load are timed from
 the engine's counters, and a median skips the repeats without them; with a spread, each request's max_tokens
-is drawn from its user and index alone; the rate while every user was in leaves the ramp and the drain out."""
+is drawn from its user and index alone; the rate while every user was in leaves the drain out."""
 
 import json
 import sys
@@ -71,32 +71,42 @@ def test_a_points_plain_rounds_are_the_difference_of_the_engines_counters():
     assert median_row([{"tok_s": 1.0, "budget": None}]) == {"tok_s": 1.0, "budget": None}
 
 
-def request(user: int, start: float, latency: float, tokens: int, ttft: float = 0.0) -> dict:
+def sent(user: int, start: float, latency: float, tokens: int, ttft: float | None = 0.0) -> dict:
+    """One request as serve_load's client records it."""
     return {"user": user, "start": start, "latency": latency, "tokens": tokens, "ttft": ttft}
 
 
 def test_the_steady_rate_counts_the_window_where_every_user_was_in():
     # user 0: 0-1 s and 1-2 s; user 1 joins at 0.5 s and ends at 3.5 s: the window is 0.5-2 s
-    reqs = [request(0, 0.0, 1.0, 10), request(0, 1.0, 1.0, 10), request(1, 0.5, 1.0, 10), request(1, 1.5, 2.0, 20)]
-    rate, seconds = steady_rate(reqs)
+    reqs = [sent(0, 0.0, 1.0, 10), sent(0, 1.0, 1.0, 10), sent(1, 0.5, 1.0, 10), sent(1, 1.5, 2.0, 20)]
+    rate, seconds = steady_rate(reqs, 2)
     assert seconds == pytest.approx(1.5)
     assert rate == pytest.approx((5 + 10 + 10 + 5) / 1.5)  # each request's share of the window, at an even pace
     # tokens stream from the first text on: user 1's last request sends nothing in its first second
-    rate, _ = steady_rate(reqs[:3] + [request(1, 1.5, 2.0, 20, ttft=1.0)])
-    assert rate == pytest.approx((5 + 10 + 10 + 20 * 0.0) / 1.5)
-    # one user: the whole point, first text to last end
-    assert steady_rate([request(0, 0.0, 1.0, 10), request(0, 1.0, 3.0, 30)]) == (pytest.approx(10.0), 4.0)
-    # no moment with both users in
-    assert steady_rate([request(0, 0.0, 1.0, 10), request(1, 2.0, 1.0, 10)]) == (None, 0.0)
+    assert steady_rate(reqs[:3] + [sent(1, 1.5, 2.0, 20, ttft=1.0)], 2)[0] == pytest.approx((5 + 10 + 10) / 1.5)
+    # no text (ttft None): from its start; all of it at once (a zero-length stream): counted where it ends
+    assert steady_rate(reqs[:3] + [sent(1, 1.5, 2.0, 20, ttft=None)], 2)[0] == pytest.approx(rate)
+    assert steady_rate(reqs + [sent(0, 1.0, 0.2, 4, ttft=0.2)], 2) == (pytest.approx(34 / 1.5), pytest.approx(1.5))
+    # a deadline ends the window where users stopped sending
+    assert steady_rate(reqs, 2, until=1.5) == (pytest.approx((5 + 5 + 10) / 1.0), pytest.approx(1.0))
+    # one user: from its first request to its last end, each request streaming from its first text
+    assert steady_rate([sent(0, 0.0, 1.0, 10, ttft=0.5), sent(0, 1.0, 3.0, 30)], 1) == (pytest.approx(10.0), 4.0)
+    # no moment with both users in; a user none of whose requests succeeded
+    assert steady_rate([sent(0, 0.0, 1.0, 10), sent(1, 2.0, 1.0, 10)], 2) == (None, 0.0)
+    assert steady_rate(reqs, 3) == (None, 0.0)
+
+
+def ratio_row(whole: float, steady: float | None) -> dict:
+    return {"tok_s": whole, "steady_tok_s": steady}
 
 
 def test_ratios_are_taken_within_repeats_that_measured_every_mode():
-    row = lambda x, y: {"tok_s": x, "steady_tok_s": y}  # noqa: E731
     results = {
-        "target-only": {16: [row(100, 110), row(100, 100), row(90, None)]},
-        "static 7": {16: [row(80, 120), row(90, 80)]},
-        "adaptive": {16: [row(95, 114), row(99, 102), row(90, 90)]},
+        "target-only": {16: [ratio_row(100, 110), ratio_row(100, 100), ratio_row(90, None)]},
+        "static 7": {16: [ratio_row(80, 120), ratio_row(90, 80), ratio_row(80, 80)]},
+        "adaptive": {16: [ratio_row(95, 114), ratio_row(99, 102), ratio_row(90, 90)]},
     }
     fixed = ["target-only", "static 7"]
-    assert best_ratios(results, 16, fixed, "tok_s") == [pytest.approx(0.95), pytest.approx(0.99)]
+    assert best_ratios(results, 16, fixed, "tok_s") == [pytest.approx(0.95), pytest.approx(0.99), pytest.approx(1.0)]
+    # the third repeat has no rate while all users were in for target-only: left out, not compared with static 7 alone
     assert best_ratios(results, 16, fixed, "steady_tok_s") == [pytest.approx(0.95), pytest.approx(1.02)]
