@@ -307,11 +307,11 @@ def median_row(rows: list[dict]) -> dict:
 
 
 def best_ratios(results: dict, c: int, fixed: list[str], key: str) -> list[float]:
-    """adaptive's `key` over the best fixed mode's, within each repeat that measured it for every mode."""
+    """adaptive's `key` over the best fixed mode's, within each repeat where every mode has it (not None)."""
     ratios = []
     for k, ours in enumerate(results["adaptive"][c]):
-        theirs = [results[m][c][k][key] for m in fixed if k < len(results[m][c])]
-        if ours[key] is not None and len(theirs) == len(fixed) and None not in theirs:
+        theirs = [results[m][c][k][key] for m in fixed]
+        if ours[key] is not None and None not in theirs:
             ratios.append(ours[key] / max(theirs))
     return ratios
 

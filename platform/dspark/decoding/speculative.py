@@ -284,8 +284,9 @@ class SpeculativeDecoder:
         lengths = [0] * len(reqs)
         probe_s = 0.0  # the catch-up beyond one drafted round's positions: a probe's price (probe_gap)
         own = [(r.drafted_rounds, r.drafts_accepted) for r in reqs] if self.gate is not None else None
-        plain_behind = sum(r.plain_since_drafted for r in reqs)
-        if self.gamma and (self.gate is None or self.gate(len(reqs), self._behind(reqs), own, plain_behind)):
+        if self.gamma and (
+            self.gate is None or self.gate(len(reqs), self._behind(reqs), own, sum(r.plain_since_drafted for r in reqs))
+        ):
             t0, c0 = time.perf_counter(), self.clock()
             # steady drafting reads the previous drafted round's tokens; the rest is earlier plain rounds' and prompts'
             extra = sum(r.behind for r in reqs if not (r.rounds and r.rounds[-1].drafted))
@@ -336,7 +337,7 @@ class SpeculativeDecoder:
             r.rounds.append(RoundRecord(lengths[i], n, conf_rows[i], surv_rows[i], prop is not None))
             if prop is not None:
                 r.drafted_rounds, r.drafts_accepted = r.drafted_rounds + 1, r.drafts_accepted + n
-            if prop is None:  # one more position the drafter reads when it next drafts (a catch-up resets it)
+            else:  # one more position the drafter reads when it next drafts (a catch-up resets it)
                 r.plain_since_drafted += 1
             self.runner.truncate(r.slot, starts[i] + 1 + n)  # keep x_0 and the accepted drafts
             new = draft_ids[i][:n] + [emitted[i]]  # made by the target's rows 0..n of this request
